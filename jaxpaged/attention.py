@@ -1,0 +1,49 @@
+"""KV writes and paged attention as the model calls them; picks the implementation per backend."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.paged_attention import reference_ragged_paged_attention
+
+
+def write_kv(
+    kv_pool: Float[Array, "L 2 N bs KH D"],
+    layer: Int[Array, ""],
+    k: Float[Array, "T KH D"],
+    v: Float[Array, "T KH D"],
+    slot_mapping: Int[Array, "T"],
+) -> Float[Array, "L 2 N bs KH D"]:
+    """Scatter new K/V into their slots (block * block_size + offset). Out-of-range slots (padding) are dropped."""
+    block_size = kv_pool.shape[3]
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    kv_pool = kv_pool.at[layer, 0, blk, off].set(k.astype(kv_pool.dtype), mode="drop")
+    return kv_pool.at[layer, 1, blk, off].set(v.astype(kv_pool.dtype), mode="drop")
+
+
+def paged_attention(
+    q: Float[Array, "T H D"],
+    kv_pool: Float[Array, "L 2 N bs KH D"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "S B"],
+    token_seq: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    kv_chunk: int,
+    backend: str = "reference",
+) -> Float[Array, "T H D"]:
+    """Ragged paged attention over the pool (see pallas_kernels.paged_attention)."""
+    if backend != "reference":
+        raise ValueError(f"attention backend {backend!r} is not available (have: reference)")
+    return reference_ragged_paged_attention(
+        q, kv_pool, layer, block_tables, token_seq, positions,
+        sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,
+    )
+
+
+def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
+    """A zeroed pool [L, 2, N, block_size, KH, D]."""
+    return jnp.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)

@@ -1,0 +1,117 @@
+"""Physical KV blocks: ref counts and an LRU queue of free blocks.
+
+Block 0 is the null block: it is never handed out, and padding in block tables points at it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    """One physical block of the pool. `prev_free`/`next_free` thread it into the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None  # set once the block is full and cached (prefix caching)
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction order (front = evicted first). O(1) everywhere."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]):
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} is already free"
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def __iter__(self):
+        b = self._head.next_free
+        while b is not self._tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    """All physical blocks of one KV pool; hands them out and takes them back by ref count."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # held forever
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take `n` blocks from the front of the free queue, each with ref_cnt 1."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks: only {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            assert b.ref_cnt == 0
+            b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a holder to each block (sharing); a free block leaves the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one holder from each block; blocks reaching 0 join the free queue's tail in this order."""
+        for b in blocks:
+            if b.ref_cnt <= 0 or b is self.null_block:
+                raise AssertionError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        usable = self.num_blocks - 1
+        return (usable - self.num_free_blocks) / usable

@@ -1,0 +1,115 @@
+"""`LLM`: offline batched generation, vLLM's Python API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.request import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def _normalize_prompts(prompts) -> list[str | list[int]]:
+    """str | list[int] | dict | a list of those -> a list of str or token-id lists."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        prompts = [list(prompts)]
+    out: list[str | list[int]] = []
+    for p in prompts:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                out.append(list(p["prompt_token_ids"]))
+            elif "prompt" in p:
+                out.append(p["prompt"])
+            else:
+                raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(p, str) or (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
+            out.append(p if isinstance(p, str) else list(p))
+        else:
+            raise ValueError(f"prompts: expected str or list of token ids, got {type(p).__name__}")
+    return out
+
+
+class LLM:
+    """An engine for offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments are the engine flags (`block_size`, `max_num_seqs`, `max_num_batched_tokens`,
+    `num_kv_blocks`, `kv_cache_memory`, `dtype`, `seed`, ...). With no model, the default SmolLM2.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in order."""
+        prompts = _normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            list(self.engine.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
+                return_dict=True)["input_ids"])
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        generated += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {generated / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            bar.close()
+            self.engine.abort_request([i for i in ids if i not in results])
+        return [results[i] for i in ids]

@@ -1,0 +1,217 @@
+"""`LLMEngine`: requests in, one scheduler + runner step at a time, `RequestOutput`s out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpaged.config import CacheConfig, EngineArgs, EngineConfig
+from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.models.registry import (
+    build_model,
+    default_model_path,
+    load_hf_config,
+    load_tokenizer,
+    model_config_from_hf,
+)
+from jaxpaged.request import CompletionOutput, Request, RequestOutput
+from jaxpaged.runner.kv_cache_sizing import num_kv_blocks
+from jaxpaged.runner.model_runner import ModelRunner
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples, as the engine tracks it for output."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _ParentRequest:
+    """A user request: a prompt and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.finished for s in self.sequences)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, for logs, benchmarks and metrics."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    peak_kv_blocks_used: int = 0
+
+
+class LLMEngine:
+    """The synchronous engine: add requests, call `step()` until none are unfinished."""
+
+    def __init__(self, config: EngineConfig, tokenizer, model):
+        self.config = config
+        self.tokenizer = tokenizer
+        sc, cc = config.scheduler_config, config.cache_config
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.runner = ModelRunner(config, model)
+        self.warmup_seconds = self.runner.warmup()
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Load the model and tokenizer, size the KV pool, build and warm up the engine."""
+        args.validate()
+        path = args.model or default_model_path()
+        hf_config = load_hf_config(path)
+        model_config = model_config_from_hf(path, hf_config, args.resolved_dtype())
+        tokenizer = load_tokenizer(args.tokenizer or path)
+        sched = args.scheduler_config(model_config.max_position_embeddings)
+        t0 = time.perf_counter()
+        model = build_model(model_config)
+        logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
+                    time.perf_counter() - t0)
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes)
+        if (blocks - 1) * args.block_size < sched.max_model_len:
+            logger.warning("The KV pool holds %d tokens, fewer than max_model_len=%d: long requests will be "
+                           "rejected", (blocks - 1) * args.block_size, sched.max_model_len)
+        config = EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks,
+                                     enable_prefix_caching=args.enable_prefix_caching),
+            scheduler_config=sched,
+            seed=args.seed,
+            compile_guard=args.compile_guard,
+            attention_chunk=max(128, args.block_size),
+        )
+        return cls(config, tokenizer, model)
+
+    # -- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        self._validate_prompt(ids, params)
+        parent = _ParentRequest(request_id, text, ids)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        for i in range(params.n):
+            seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
+                          eos_token_ids=self.config.model_config.eos_token_ids)
+            parent.sequences.append(_Sequence(req, IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)))
+            self._child_to_parent[child_id] = request_id
+            self.scheduler.add_request(req)
+        self._parents[request_id] = parent
+        return request_id
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        vocab = self.config.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        if any(not isinstance(t, (int, np.integer)) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(ids) >= sc.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len="
+                             f"{sc.max_model_len}")
+        longest = min(len(ids) + (params.max_tokens or sc.max_model_len), sc.max_model_len)
+        if cdiv(longest, cc.block_size) > cc.num_blocks - 1:
+            raise ValueError(f"prompt: {longest} tokens (prompt + max_tokens) need more KV blocks than the pool has "
+                             f"({cc.num_blocks - 1} x {cc.block_size} tokens)")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests (and all their samples) and free their blocks at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            children = [s.request.request_id for s in parent.sequences]
+            self.scheduler.abort_requests(children)
+            for c in children:
+                self._child_to_parent.pop(c, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- stepping -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one jitted step, and return outputs of requests that advanced."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tokens = self.runner.execute(out)
+        kv = self.kv_cache_manager
+        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used,
+                                             kv.pool.num_blocks - 1 - kv.num_free_blocks)
+        self.stats.num_steps += 1
+        self.stats.num_prompt_tokens += sum(
+            max(0, min(s.request.num_computed_tokens + s.num_new_tokens, len(s.request.prompt_token_ids))
+                - s.request.num_computed_tokens) for s in out.scheduled)
+        advanced = self.scheduler.update_from_output(out, tokens)
+        self.stats.num_generation_tokens += len(advanced)
+        touched: dict[str, None] = {}
+        for req, new_ids in advanced:
+            parent_id = self._child_to_parent.get(req.request_id)
+            if parent_id is None:
+                continue
+            seq = next(s for s in self._parents[parent_id].sequences if s.request is req)
+            seq.detokenizer.add_tokens(new_ids)
+            if req.finished:
+                seq.detokenizer.flush()
+            touched[parent_id] = None
+        return [self._make_output(pid) for pid in touched]
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        outputs = [
+            CompletionOutput(index=i, text=s.detokenizer.text, token_ids=list(s.request.output_token_ids),
+                             finish_reason=s.request.status.finish_reason, stop_reason=s.request.stop_reason)
+            for i, s in enumerate(parent.sequences)
+        ]
+        finished = parent.finished
+        if finished:
+            del self._parents[parent_id]
+            for s in parent.sequences:
+                self._child_to_parent.pop(s.request.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished)

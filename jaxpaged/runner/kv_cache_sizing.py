@@ -1,0 +1,43 @@
+"""How many KV blocks the pool gets: an explicit count, a byte budget, or a fraction of free memory."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxpaged.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig, parse_bytes, platform_is_gpu
+
+logger = logging.getLogger(__name__)
+
+
+def free_device_memory(param_bytes: int) -> int | None:
+    """Bytes free on the first device after params, or None where the backend does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    return int(limit) - int(stats.get("bytes_in_use", param_bytes))
+
+
+def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, param_bytes: int) -> int:
+    """Physical blocks for the pool (block 0, the null block, included), logged with where it came from."""
+    per_block = model_config.kv_bytes_per_token * block_size
+    if args.num_kv_blocks is not None:
+        n, source = args.num_kv_blocks, "num_kv_blocks"
+    else:
+        if args.kv_cache_memory is not None:
+            budget, source = parse_bytes(args.kv_cache_memory), "kv_cache_memory"
+        elif platform_is_gpu() and (free := free_device_memory(param_bytes)) is not None:
+            budget = int(free * args.gpu_memory_utilization)
+            source = f"{args.gpu_memory_utilization:.0%} of free device memory"
+        else:
+            budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "default CPU budget"
+        n = budget // per_block
+    if n < 2:
+        raise ValueError(f"the KV cache budget ({source}) gives {n} blocks; at least 2 are needed")
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
+        n, block_size, (n - 1) * block_size, n * per_block / 2**30, source,
+    )
+    return n

@@ -1,0 +1,78 @@
+"""`StepInput`: the arrays of one jitted step, built on the host with numpy and padded to a bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jaxtyping import Array, Int
+
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.models.llama import AttentionMetadata
+from jaxpaged.sampler import SamplingMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    """Everything the step reads besides params and the pool. T = token bucket, S = sequence rows."""
+
+    token_ids: Int[Array, "T"]
+    attn: AttentionMetadata
+    logits_indices: Int[Array, "S"]  # flat index of each sequence's last scheduled token
+    sampling: SamplingMetadata
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """Static sizes the host needs to lay out a step."""
+
+    block_size: int
+    num_blocks: int
+    table_width: int  # blocks per row of block_tables (max_model_len rounded up to the attention chunk)
+
+    @property
+    def pad_slot(self) -> int:
+        """A slot past the end of the pool: writes to it are dropped."""
+        return self.num_blocks * self.block_size
+
+
+def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: StepGeometry) -> StepInput:
+    """Numpy arrays for `out`, padded to `num_tokens` tokens and `num_seqs` rows (a StepInput of numpy arrays)."""
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.full(num_tokens, geo.pad_slot, np.int32)
+    token_seq = np.zeros(num_tokens, np.int32)
+    block_tables = np.zeros((num_seqs, geo.table_width), np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    temperature = np.zeros(num_seqs, np.float32)
+    top_k = np.zeros(num_seqs, np.int32)
+    top_p = np.ones(num_seqs, np.float32)
+    seeds = np.zeros(num_seqs, np.uint32)
+    steps = np.zeros(num_seqs, np.int32)
+
+    t = 0
+    for i, s in enumerate(out.scheduled):
+        req, n = s.request, s.num_new_tokens
+        start = req.num_computed_tokens
+        table = np.asarray(s.block_ids, np.int32)
+        block_tables[i, : len(table)] = table
+        pos = np.arange(start, start + n, dtype=np.int32)
+        token_ids[t : t + n] = req.token_ids_slice(start, start + n)
+        positions[t : t + n] = pos
+        slot_mapping[t : t + n] = table[pos // geo.block_size] * geo.block_size + pos % geo.block_size
+        token_seq[t : t + n] = i
+        t += n
+        logits_indices[i] = t - 1
+        p = req.sampling_params
+        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        seeds[i], steps[i] = req.seed, req.num_output_tokens
+
+    return StepInput(
+        token_ids=token_ids,
+        attn=AttentionMetadata(positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
+                               block_tables=block_tables),
+        logits_indices=logits_indices,
+        sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps),
+    )

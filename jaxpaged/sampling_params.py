@@ -1,0 +1,61 @@
+"""`SamplingParams`: how one request picks its tokens and when it stops. Validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, with vLLM's names and meanings.
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 mean off. A bad value raises
+    ValueError naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_int("n", minimum=1)
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check_int("top_k", minimum=0)
+        if self.seed is not None:
+            self._check_int("seed", minimum=0)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", minimum=1)
+        self._check_int("min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None:
+            self._check_int("logprobs", minimum=0)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    def _check_int(self, name: str, *, minimum: int) -> None:
+        v = getattr(self, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
