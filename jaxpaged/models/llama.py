@@ -61,7 +61,7 @@ class LlamaLayers(nnx.Module):
             setattr(self, name, nnx.Param(jnp.asarray(w, dtype)))
 
     def stacked(self) -> dict[str, jax.Array]:
-        return {k: v.value for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -94,8 +94,8 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.cfg
         t = token_ids.shape[0]
         h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        inv_freq = self.inv_freq.value
-        x = self.embed.value[token_ids]  # [T, E]
+        inv_freq = self.inv_freq[...]
+        x = self.embed[...][token_ids]  # [T, E]
 
         def layer(carry, xs):
             x, pool = carry
@@ -121,9 +121,9 @@ class LlamaForCausalLM(nnx.Module):
 
         xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-        return rms_norm(x, self.final_norm.value, cfg.rms_norm_eps), kv_pool
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv_pool
 
     def compute_logits(self, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
         """Vocabulary logits in float32."""
-        w = self.embed.value.T if self.lm_head is None else self.lm_head.value
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, w, preferred_element_type=jnp.float32)

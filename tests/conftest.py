@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny random-weight HF models (saved as safetensors) with a small tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAXPAGED_COMPILATION_CACHE", "off")  # tests measure nothing from the disk cache
+
+from tests.tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Return a function arch -> path of a saved tiny model of that architecture (cached per session)."""
+    cache: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in cache:
+            cache[arch] = make_tiny_model(arch, str(tmp_path_factory.mktemp(arch)))
+        return cache[arch]
+
+    return get

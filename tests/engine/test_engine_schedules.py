@@ -1,0 +1,130 @@
+"""The same greedy outputs under any schedule: block sizes, chunked prefill, preemption, late arrivals."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, LLMEngine, SamplingParams
+from jaxpaged.config import EngineArgs
+from tests.reference import hf_greedy
+from tests.tiny_models import load_hf_model
+
+NEW_TOKENS = 24
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 256, size=n).tolist() for n in (3, 15, 16, 33, 47, 70)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    hf = load_hf_model(tiny_model_dir("llama"))
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()]
+
+
+def run(path, **engine_args):
+    llm = LLM(path, compile_guard=True, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_block_sizes(block_size, tiny_model_dir, expected):
+    llm, got = run(tiny_model_dir("llama"), block_size=block_size, num_kv_blocks=64)
+    assert got == expected
+    assert llm.engine.kv_cache_manager.num_free_blocks == 63  # everything freed
+
+
+def test_chunked_prefill_small_budget(tiny_model_dir, expected):
+    llm, got = run(tiny_model_dir("llama"), max_num_batched_tokens=32, num_kv_blocks=64)
+    assert got == expected
+    assert llm.engine.stats.num_steps > NEW_TOKENS  # prompts really were split over steps
+
+
+def test_preemption_keeps_outputs(tiny_model_dir, expected):
+    # 12 usable blocks of 16 tokens: the six requests (up to 94 tokens each) cannot all fit.
+    llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert llm.engine.kv_cache_manager.num_free_blocks == 12
+
+
+def test_max_num_seqs_limits_the_batch(tiny_model_dir, expected):
+    llm, got = run(tiny_model_dir("llama"), max_num_seqs=2, num_kv_blocks=64)
+    assert got == expected
+
+
+def test_requests_arriving_while_others_decode(tiny_model_dir, expected):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=64,
+                                                   compile_guard=True, max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    pending = list(enumerate(prompts()))
+    results = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step, while others are mid-decode
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+    assert [results[i] for i in range(len(expected))] == expected
+
+
+def test_seeded_sampling_is_independent_of_batch(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompts()[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(prompts(), [others, others, seeded, others, others, others], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    unseeded = llm.generate([prompts()[2]] * 2, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_stop_conditions(tiny_model_dir, expected):
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    p, ref = prompts()[0], expected[0]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[:5] and out.outputs[0].finish_reason == "length"
+    stop_tok = ref[3]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0]
+    first = ref.index(stop_tok)
+    assert out.outputs[0].token_ids == ref[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+
+
+def test_eos_comes_from_the_generation_config(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64)
+    assert llm.engine.config.model_config.eos_token_ids == (2,)
+
+
+def test_bad_input_raises_named_errors(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, max_model_len=128)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1] * 128], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[300]], use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(TypeError, match="blok_size"):
+        LLM(tiny_model_dir("llama"), blok_size=16)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_compile_guard_fails_a_step_that_compiles(tiny_model_dir):
+    import jax
+
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    with pytest.raises(RuntimeError, match="compiled"):
+        with llm.engine.runner.guard.watch():
+            jax.jit(lambda x: x * 3)(np.ones(7))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # a normal step stays quiet

@@ -1,0 +1,66 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) equals HF transformers on the same file."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models import default_model_path
+from tests.reference import hf_greedy, hf_last_logits, our_last_logits
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=128, max_model_len=512, compile_guard=True)
+    return path, llm
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2[0]
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def chat_ids(llm, question):
+    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}],
+                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+def test_greedy_tokens_match_hf(smollm2, hf_smollm2):
+    _, llm = smollm2
+    prompts = [list(chat_ids(llm, q)) for q in QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    eos = llm.engine.config.model_config.eos_token_ids
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, p, 24, stop_at=eos)
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_last_logits_match_hf(smollm2, hf_smollm2):
+    _, llm = smollm2
+    model = llm.engine.runner.graphdef, llm.engine.runner.state
+    from flax import nnx
+
+    model = nnx.merge(*model)
+    worst = 0.0
+    for q in QUESTIONS:
+        ids = list(chat_ids(llm, q))
+        worst = max(worst, float(np.abs(our_last_logits(model, ids) - hf_last_logits(hf_smollm2, ids)).max()))
+    print(f"SmolLM2: max |logits - HF| = {worst:.2e}")
+    assert worst < 1e-3

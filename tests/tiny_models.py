@@ -1,0 +1,67 @@
+"""Tiny random-weight Llama, Qwen2 and Mistral checkpoints built with transformers, for parity tests."""
+
+from __future__ import annotations
+
+VOCAB = 256
+
+
+def make_tokenizer():
+    """A word-level tokenizer over `VOCAB` tokens (w0..w252 and three specials), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i + 3 for i in range(VOCAB - 3)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
+
+def tiny_config(arch: str):
+    """A 2-layer, hidden-64, GQA config of the given architecture."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "llama-tied":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
+    """Save a random model of `arch` (safetensors) and the tokenizer to `path`; returns path."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # random q/k/v biases, so the bias path is exercised
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_hf_model(path: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
