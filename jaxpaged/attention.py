@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.paged_attention import reference_ragged_paged_attention
+from jaxpaged.attention_xla import split_ragged_paged_attention
 
 
 def write_kv(
@@ -24,23 +24,30 @@ def write_kv(
 
 def paged_attention(
     q: Float[Array, "T H D"],
+    k_new: Float[Array, "T KH D"],
+    v_new: Float[Array, "T KH D"],
     kv_pool: Float[Array, "L 2 N bs KH D"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "S B"],
     token_seq: Int[Array, "T"],
     positions: Int[Array, "T"],
+    context_lens: Int[Array, "T"],
     *,
     sm_scale: float,
     sliding_window: int | None,
     kv_chunk: int,
-    backend: str = "reference",
+    backend: str = "xla",
 ) -> Float[Array, "T H D"]:
-    """Ragged paged attention over the pool (see pallas_kernels.paged_attention)."""
-    if backend != "reference":
-        raise ValueError(f"attention backend {backend!r} is not available (have: reference)")
-    return reference_ragged_paged_attention(
-        q, kv_pool, layer, block_tables, token_seq, positions,
-        sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,
+    """Each token over its sequence's cached context (in the pool) and the step's new tokens, causally.
+
+    backend "xla": `split_ragged_paged_attention`, which expects tokens with cached context in the
+    first S rows (S = block_tables rows); the runner lays steps out that way.
+    """
+    if backend != "xla":
+        raise ValueError(f"attention backend {backend!r} is not available (have: xla)")
+    return split_ragged_paged_attention(
+        q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, context_lens,
+        sm_scale=sm_scale, context_rows=block_tables.shape[0], sliding_window=sliding_window, kv_chunk=kv_chunk,
     )
 
 

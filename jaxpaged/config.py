@@ -160,3 +160,24 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
         )
+
+    @classmethod
+    def add_cli_args(cls, parser) -> None:
+        """Add one `--flag` per field (booleans as --x / --no-x) to an argparse parser."""
+        import argparse
+
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name == "kv_cache_memory":
+                parser.add_argument(flag, default=None, help="KV pool size, e.g. 4GiB (default: 4GiB on CPU, "
+                                    "gpu_memory_utilization of free memory on GPU)")
+            else:
+                kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("|", "").strip(), str)
+                parser.add_argument(flag, type=kind, default=default)
+
+    @classmethod
+    def from_cli_args(cls, ns) -> EngineArgs:
+        return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})

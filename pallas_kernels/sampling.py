@@ -47,6 +47,23 @@ def top_k_top_p_mask(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def categorical_from_uniform(weights: Float[Array, "B V"], u: Float[Array, "B"], *, tile: int = 128):
+    """Inverse-CDF draw from unnormalized non-negative `weights` with one uniform u in (0, 1] per row.
+
+    Two levels (tile sums, then one tile), so no [B, V] scan or per-element random numbers.
+    """
+    b, v = weights.shape
+    pad = (-v) % tile
+    w = jnp.pad(weights, ((0, 0), (0, pad))).reshape(b, -1, tile)  # [B, V/tile, tile]
+    tile_cdf = jnp.cumsum(w.sum(-1), axis=-1)  # [B, V/tile]
+    target = u * tile_cdf[:, -1]
+    blk = jnp.minimum(jnp.sum(tile_cdf < target[:, None], axis=-1), tile_cdf.shape[1] - 1)
+    before = jnp.where(blk > 0, jnp.take_along_axis(tile_cdf, jnp.maximum(blk - 1, 0)[:, None], -1)[:, 0], 0.0)
+    inner_cdf = jnp.cumsum(jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0], axis=-1) + before[:, None]
+    idx = blk * tile + jnp.minimum(jnp.sum(inner_cdf < target[:, None], axis=-1), tile - 1)
+    return jnp.minimum(idx, v - 1)
+
+
 def reference_top_k_top_p_sampling(
     logits: Float[Array, "B V"],
     key,
@@ -62,6 +79,7 @@ def reference_top_k_top_p_sampling(
     scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
     needs_filter = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
     filtered = jax.lax.cond(needs_filter, top_k_top_p_mask, lambda x, *_: x, scaled, top_k, top_p)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(row_keys(key, b))
-    sampled = jnp.argmax(filtered + gumbel, axis=-1)
+    weights = jnp.exp(filtered - filtered.max(axis=-1, keepdims=True))
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys(key, b))  # (0, 1]
+    sampled = categorical_from_uniform(weights, u)
     return jnp.where(greedy_rows, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)

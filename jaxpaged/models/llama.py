@@ -49,7 +49,8 @@ class AttentionMetadata:
 
     positions: Int[Array, "T"]  # position of each token in its sequence
     slot_mapping: Int[Array, "T"]  # pool slot its K/V goes to; padding: num_blocks * block_size
-    token_seq: Int[Array, "T"]  # row of block_tables the token belongs to
+    token_seq: Int[Array, "T"]  # row of block_tables the token belongs to; -1 for padding
+    context_lens: Int[Array, "T"]  # tokens of its sequence already in the pool before this step
     block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
 
 
@@ -67,7 +68,7 @@ class LlamaLayers(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only Llama-family model over a paged KV pool."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "xla",
                  kv_chunk: int = 128):
         expected = param_shapes(cfg)
         missing = sorted(set(expected) - set(weights))
@@ -106,9 +107,10 @@ class LlamaForCausalLM(nnx.Module):
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
             k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
-            pool = write_kv(pool, idx, k, v.reshape(t, kh, d), meta.slot_mapping)
+            v = v.reshape(t, kh, d)
+            pool = write_kv(pool, idx, k, v, meta.slot_mapping)
             a = paged_attention(
-                q, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
+                q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions, meta.context_lens,
                 sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=self.kv_chunk,
                 backend=self.attention_backend,
             )

@@ -23,7 +23,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket, token_buckets
-from jaxpaged.runner.step_input import StepGeometry, StepInput, build_step_input
+from jaxpaged.runner.step_input import StepGeometry, StepInput, build_step_input, row_order
 from jaxpaged.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class ModelRunner:
         start = time.perf_counter()
         logger.info("Compiling the step for %d token buckets: %s", len(self.buckets), self.buckets)
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
-            dummy = build_step_input(SchedulerOutput(), t, self._num_seqs(t), self.geometry)
+            dummy = build_step_input(SchedulerOutput(), t, self._num_seqs(t), self.geometry, [])
             self._compiled[t] = self._jitted.lower(self.state, self.kv_pool, dummy).compile()
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
@@ -116,7 +116,8 @@ class ModelRunner:
         """Run one step; returns the sampled token per scheduled request (in `out.scheduled` order)."""
         num_tokens = out.total_num_scheduled_tokens
         t = pick_token_bucket(self.buckets, num_tokens)
-        inp = build_step_input(out, t, self._num_seqs(t), self.geometry)
+        order = row_order(out)
+        inp = build_step_input(out, t, self._num_seqs(t), self.geometry, order)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
@@ -125,4 +126,6 @@ class ModelRunner:
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             self.kv_pool, tokens = step(self.state, self.kv_pool, inp)
             tokens = np.asarray(tokens)
-        return tokens[: len(out.scheduled)]
+        sampled = np.empty(len(order), np.int32)
+        sampled[order] = tokens[: len(order)]
+        return sampled

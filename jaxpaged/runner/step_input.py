@@ -38,12 +38,29 @@ class StepGeometry:
         return self.num_blocks * self.block_size
 
 
-def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: StepGeometry) -> StepInput:
-    """Numpy arrays for `out`, padded to `num_tokens` tokens and `num_seqs` rows (a StepInput of numpy arrays)."""
+def row_order(out: SchedulerOutput) -> list[int]:
+    """Rows with cached context first (decodes, then chunk continuations), fresh prefills last.
+
+    The attention reads the pool only for the first S token rows; this order puts every token that
+    has context there whenever it fits.
+    """
+    def key(i: int) -> int:
+        s = out.scheduled[i]
+        if s.request.num_computed_tokens == 0:
+            return 2
+        return 0 if s.num_new_tokens == 1 else 1
+
+    return sorted(range(len(out.scheduled)), key=key)
+
+
+def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: StepGeometry,
+                     order: list[int]) -> StepInput:
+    """Numpy arrays for `out` with rows in `order`, padded to `num_tokens` tokens and `num_seqs` rows."""
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, geo.pad_slot, np.int32)
-    token_seq = np.zeros(num_tokens, np.int32)
+    token_seq = np.full(num_tokens, -1, np.int32)
+    context_lens = np.zeros(num_tokens, np.int32)
     block_tables = np.zeros((num_seqs, geo.table_width), np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     temperature = np.zeros(num_seqs, np.float32)
@@ -53,7 +70,8 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     steps = np.zeros(num_seqs, np.int32)
 
     t = 0
-    for i, s in enumerate(out.scheduled):
+    for i, j in enumerate(order):
+        s = out.scheduled[j]
         req, n = s.request, s.num_new_tokens
         start = req.num_computed_tokens
         table = np.asarray(s.block_ids, np.int32)
@@ -63,6 +81,7 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = table[pos // geo.block_size] * geo.block_size + pos % geo.block_size
         token_seq[t : t + n] = i
+        context_lens[t : t + n] = start
         t += n
         logits_indices[i] = t - 1
         p = req.sampling_params
@@ -72,7 +91,7 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     return StepInput(
         token_ids=token_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                               block_tables=block_tables),
+                               context_lens=context_lens, block_tables=block_tables),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps),
     )

@@ -1,0 +1,3 @@
+from jaxpaged.cli import main
+
+main()

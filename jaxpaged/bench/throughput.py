@@ -1,0 +1,148 @@
+"""Offline throughput: jaxpaged vs HF transformers static batching on the same seeded workload.
+
+    jaxpaged bench throughput --num-prompts 64 --input-len 16:512 --output-len 16:256 --compare hf
+    python -m jaxpaged.bench.throughput ...   (the same)
+
+Prints a table and writes JSON (--output-json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import numpy as np
+
+from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload
+from jaxpaged.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+def summarize(backend: str, reqs: list[BenchRequest], wall: float, warmup: float, **extra) -> dict:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    output_tokens = sum(r.output_len for r in reqs)
+    return {
+        "backend": backend, "num_requests": len(reqs), "wall_s": wall, "warmup_s": warmup,
+        "requests_per_s": len(reqs) / wall, "output_tokens_per_s": output_tokens / wall,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, **extra,
+    }
+
+
+def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs) -> dict:
+    """Generate the workload with `LLM.generate` (sampling at temperature 1, EOS ignored)."""
+    from jaxpaged import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    warmup = time.perf_counter() - t0
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params)
+    wall = time.perf_counter() - t0
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
+    eng = llm.engine
+    return summarize("jaxpaged", reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
+                     kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
+                     compile_s=eng.warmup_seconds)
+
+
+def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
+    """HF transformers `generate` in static batches: left padding, each batch runs to its longest output."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.models.registry import is_gguf
+
+    t0 = time.perf_counter()
+    kw = {"gguf_file": os.path.basename(model_path)} if is_gguf(model_path) else {}
+    folder = os.path.dirname(model_path) if kw else model_path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    warmup = time.perf_counter() - t0
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    for i in tqdm(range(0, len(reqs), batch_size), desc="HF static batches"):
+        batch = reqs[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, r in enumerate(batch):
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        n = max(r.output_len for r in batch)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        assert out.shape[1] == width + n
+    wall = time.perf_counter() - t0
+    return summarize("hf", reqs, wall, warmup, hf_batch_size=batch_size)
+
+
+def print_table(results: list[dict]) -> None:
+    cols = [("backend", "{}"), ("requests_per_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
+            ("total_tokens_per_s", "{:.1f}"), ("wall_s", "{:.1f}"), ("warmup_s", "{:.1f}"),
+            ("peak_kv_blocks_used", "{}")]
+    print("\n" + " | ".join(f"{c:>20}" for c, _ in cols))
+    print("-" * (23 * len(cols)))
+    for r in results:
+        print(" | ".join(f"{fmt.format(r[c]) if c in r else '-':>20}" for c, fmt in cols))
+    if len(results) == 2:
+        ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
+        print(f"\n{results[0]['backend']} / {results[1]['backend']} output tokens/s: {ratio:.2f}x")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="16:512", help="N or LO:HI (uniform, inclusive)")
+    p.add_argument("--output-len", default="16:256", help="N or LO:HI (uniform, inclusive)")
+    p.add_argument("--backend", choices=["jaxpaged", "hf"], default="jaxpaged")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF static batching, print the ratio")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max_num_seqs)")
+    p.add_argument("--output-json", default="bench_results/throughput.json")
+    EngineArgs.add_cli_args(p)
+
+
+def main(ns: argparse.Namespace) -> list[dict]:
+    from jaxpaged.models.registry import default_model_path, load_tokenizer
+
+    engine_args = EngineArgs.from_cli_args(ns)
+    engine_args.model = engine_args.model or default_model_path()
+    tok = load_tokenizer(engine_args.tokenizer or engine_args.model)
+    reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), parse_range(ns.output_len),
+                                 len(tok), ns.seed, set(tok.all_special_ids))
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    if engine_args.max_model_len is None:
+        engine_args.max_model_len = max(max_len, 128)
+    results = []
+    backends = [ns.backend] + ([ns.compare] if ns.compare and ns.compare != ns.backend else [])
+    for b in backends:
+        if b == "jaxpaged":
+            results.append(run_jaxpaged(reqs, engine_args))
+        else:
+            bs = ns.hf_batch_size or engine_args.max_num_seqs or 64
+            results.append(run_hf(reqs, engine_args.model, bs))
+    for r in results:
+        r.update(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed)
+    print_table(results)
+    if ns.output_json:
+        import os
+
+        os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
+        with open(ns.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {ns.output_json}")
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    main(parser.parse_args())

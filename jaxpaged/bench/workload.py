@@ -1,0 +1,35 @@
+"""Seeded synthetic workloads: random-token prompts with prompt and output lengths drawn from ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '16:512' -> (16, 512), both ends included."""
+    lo, _, hi = str(text).partition(":")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if lo_i < 1 or hi_i < lo_i:
+        raise ValueError(f"bad length range {text!r}: expected N or LO:HI with 1 <= LO <= HI")
+    return lo_i, hi_i
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_token_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                          vocab_size: int, seed: int, avoid_ids: set[int] = frozenset()) -> list[BenchRequest]:
+    """`num_prompts` requests of random token ids (avoiding special tokens), lengths uniform in the ranges."""
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(avoid_ids, int, len(avoid_ids)))
+    out = []
+    for _ in range(num_prompts):
+        n_in = int(rng.integers(input_len[0], input_len[1] + 1))
+        n_out = int(rng.integers(output_len[0], output_len[1] + 1))
+        out.append(BenchRequest(rng.choice(allowed, size=n_in).tolist(), n_out))
+    return out
