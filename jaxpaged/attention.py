@@ -31,7 +31,9 @@ def paged_attention(
     block_tables: Int[Array, "S B"],
     token_seq: Int[Array, "T"],
     positions: Int[Array, "T"],
-    context_lens: Int[Array, "T"],
+    decode_context_lens: Int[Array, "T"],
+    seq_context_lens: Int[Array, "S"],
+    continuation_rows: Int[Array, "S"],
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -40,14 +42,14 @@ def paged_attention(
 ) -> Float[Array, "T H D"]:
     """Each token over its sequence's cached context (in the pool) and the step's new tokens, causally.
 
-    backend "xla": `split_ragged_paged_attention`, which expects tokens with cached context in the
-    first S rows (S = block_tables rows); the runner lays steps out that way.
+    backend "xla": `split_ragged_paged_attention`, which expects decode tokens in the first rows,
+    longest context first; the runner lays steps out that way.
     """
     if backend != "xla":
         raise ValueError(f"attention backend {backend!r} is not available (have: xla)")
     return split_ragged_paged_attention(
-        q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, context_lens,
-        sm_scale=sm_scale, context_rows=block_tables.shape[0], sliding_window=sliding_window, kv_chunk=kv_chunk,
+        q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, decode_context_lens,
+        seq_context_lens, continuation_rows, sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,
     )
 
 

@@ -1,12 +1,13 @@
 """Ragged paged attention in plain XLA, arranged for CPUs (and any backend without the Pallas kernel).
 
-Exact attention over a token's keys split in two parts, merged with their softmax statistics:
-  A. the step's own new tokens (same sequence, causal): one dense [T, T] masked product, no gather;
-  B. the cached context in the pool (positions < the sequence's first new token): gathered per
-     token, a chunk of blocks at a time, only for the first R rows, where the runner puts every
-     token that has context (decode tokens, then chunk continuations). If context tokens spill
-     past R, a second branch covers all T rows (correct, slower).
-A fresh prefill thus costs no gather at all, and a decode token reads exactly its own blocks.
+Exact attention over a token's keys, split in three parts merged with their softmax statistics:
+  A. the step's new tokens (same sequence, causal): one dense [T, T] masked product, no gather;
+  B. decode tokens' cached context: gathered per token, a chunk of blocks at a time. The runner puts
+     decode tokens in the first rows, longest context first, and rows run in groups, each group only
+     as far as its own longest context;
+  C. chunk continuations' cached context (a prompt split over steps, or a prefix-cache hit): one
+     sequence at a time, its context gathered once and shared by all its new tokens.
+A fresh prefill thus gathers nothing, and a decode token reads about its own blocks only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 _MASKED = -1e30
+ROW_GROUP = 8  # decode rows per group in part B
 
 
 def _merge(a, b):
@@ -26,43 +28,91 @@ def _merge(a, b):
     return m, la * ca + lb * cb, acca * ca[..., None] + accb * cb[..., None]
 
 
+def _empty_state(rows: int, kh: int, group: int, d: int):
+    return (jnp.full((rows, kh, group), _MASKED, jnp.float32), jnp.zeros((rows, kh, group), jnp.float32),
+            jnp.zeros((rows, kh, group, d), jnp.float32))
+
+
+def _masked_softmax_part(s, visible, v, pv_spec: str):
+    """(m, l, acc) of scores `s` [.., KH, G, C] over visible keys, with values contracted by `pv_spec`."""
+    s = jnp.where(visible, s, _MASKED)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None]) * visible
+    return m, p.sum(-1), jnp.einsum(pv_spec, p, v)
+
+
 def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window):
     """Part A: each token over the step's new tokens of its own sequence, causally."""
     s = jnp.einsum("tkgd,jkd->tkgj", qg, k_new.astype(jnp.float32))  # [T, KH, G, T]
-    same = (token_seq[:, None] == token_seq[None, :]) & (token_seq[None, :] >= 0)
-    visible = same & (positions[None, :] <= positions[:, None])
+    visible = (token_seq[:, None] == token_seq[None, :]) & (token_seq[None, :] >= 0)
+    visible &= positions[None, :] <= positions[:, None]
     if sliding_window is not None:
         visible &= positions[None, :] > positions[:, None] - sliding_window
-    s = jnp.where(visible[:, None, None, :], s, _MASKED)
-    m = s.max(-1)
-    p = jnp.exp(s - m[..., None])
-    return m, p.sum(-1), jnp.einsum("tkgj,jkd->tkgd", p, v_new.astype(jnp.float32))
+    return _masked_softmax_part(s, visible[:, None, None, :], v_new.astype(jnp.float32), "tkgj,jkd->tkgd")
 
 
-def _context_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, sliding_window):
-    """Part B: each row over its sequence's cached keys [0, context_lens[t]) in the pool."""
+def _window_mask(key_pos, positions, sliding_window):
+    if sliding_window is None:
+        return True
+    return key_pos[None, :] > positions[:, None] - sliding_window
+
+
+def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, sliding_window):
+    """Part B: row t over keys [0, context_lens[t]) of its own table; rows sorted by context, descending."""
     r, kh, group, d = qg.shape
-    block_size = kv_pool.shape[3]
-    blocks_per_chunk = kv_chunk // block_size
-    num_chunks = (jnp.max(context_lens) + kv_chunk - 1) // kv_chunk
+    gs = min(ROW_GROUP, r)
+    num_groups = -(-r // gs)
+    pad = num_groups * gs - r
+    padr = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    qg_p, tables_p, ctx_p, pos_p = padr(qg), padr(tables), padr(context_lens), padr(positions)
+    bpc = kv_chunk // kv_pool.shape[3]
+    active_groups = (jnp.sum(ctx_p > 0) + gs - 1) // gs
 
-    def body(c, carry):
-        ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, axis=1)
-        k = kv_pool[layer, 0, ids].reshape(r, kv_chunk, kh, d).astype(jnp.float32)  # [R, C, KH, D]
-        v = kv_pool[layer, 1, ids].reshape(r, kv_chunk, kh, d).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k)
-        key_pos = c * kv_chunk + jnp.arange(kv_chunk)
-        visible = key_pos[None, :] < context_lens[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > positions[:, None] - sliding_window
-        s = jnp.where(visible[:, None, None, :], s, _MASKED)
-        m_c = s.max(-1)
-        p = jnp.exp(s - m_c[..., None]) * visible[:, None, None, :]
-        return _merge(carry, (m_c, p.sum(-1), jnp.einsum("tkgc,tckd->tkgd", p, v)))
+    def group_body(g, state):
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, g * gs, gs, axis=0)  # noqa: E731
+        q, tab, ctx, pos = rows(qg_p), rows(tables_p), rows(ctx_p), rows(pos_p)
 
-    init = (jnp.full((r, kh, group), _MASKED, jnp.float32), jnp.zeros((r, kh, group), jnp.float32),
-            jnp.zeros((r, kh, group, d), jnp.float32))
-    return jax.lax.fori_loop(0, num_chunks, body, init)
+        def chunk_body(c, carry):
+            ids = jax.lax.dynamic_slice_in_dim(tab, c * bpc, bpc, axis=1)
+            k = kv_pool[layer, 0, ids].reshape(gs, kv_chunk, kh, d).astype(jnp.float32)  # [gs, C, KH, D]
+            v = kv_pool[layer, 1, ids].reshape(gs, kv_chunk, kh, d).astype(jnp.float32)
+            key_pos = c * kv_chunk + jnp.arange(kv_chunk)
+            visible = (key_pos[None, :] < ctx[:, None]) & _window_mask(key_pos, pos, sliding_window)
+            s = jnp.einsum("tkgd,tckd->tkgc", q, k)
+            return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,tckd->tkgd"))
+
+        chunks = (jnp.max(ctx) + kv_chunk - 1) // kv_chunk
+        part = jax.lax.fori_loop(0, chunks, chunk_body, _empty_state(gs, kh, group, d))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, p, g * gs, axis=0) for a, p in zip(state, part))
+
+    state = jax.lax.fori_loop(0, active_groups, group_body, _empty_state(num_groups * gs, kh, group, d))
+    return tuple(x[:r] for x in state)
+
+
+def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, seq_context_lens,
+                       continuation_rows, kv_chunk, sliding_window):
+    """Part C: for each continuation sequence, all its new tokens over its cached keys, gathered once."""
+    t, kh, group, d = qg.shape
+    bpc = kv_chunk // kv_pool.shape[3]
+    count = jnp.sum(continuation_rows >= 0)
+
+    def seq_body(i, state):
+        row = continuation_rows[i]
+        table, ctx = block_tables[row], seq_context_lens[row]
+        mine = token_seq == row  # [T]
+
+        def chunk_body(c, carry):
+            ids = jax.lax.dynamic_slice_in_dim(table, c * bpc, bpc)
+            k = kv_pool[layer, 0, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)  # [C, KH, D]
+            v = kv_pool[layer, 1, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)
+            key_pos = c * kv_chunk + jnp.arange(kv_chunk)
+            visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, positions, sliding_window)
+            s = jnp.einsum("tkgd,ckd->tkgc", qg, k)
+            return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,ckd->tkgd"))
+
+        return jax.lax.fori_loop(0, (ctx + kv_chunk - 1) // kv_chunk, chunk_body, state)
+
+    return jax.lax.fori_loop(0, count, seq_body, _empty_state(t, kh, group, d))
 
 
 def split_ragged_paged_attention(
@@ -74,31 +124,28 @@ def split_ragged_paged_attention(
     block_tables: Int[Array, "S B"],
     token_seq: Int[Array, "T"],  # row of block_tables; -1 for padding tokens
     positions: Int[Array, "T"],
-    context_lens: Int[Array, "T"],  # cached tokens of the token's sequence before this step
+    decode_context_lens: Int[Array, "T"],  # cached tokens before a decode token (rows < S only); else 0
+    seq_context_lens: Int[Array, "S"],  # cached tokens of each sequence before this step
+    continuation_rows: Int[Array, "S"],  # rows of sequences with >1 new token and cached context; -1 pads
     *,
     sm_scale: float,
-    context_rows: int,
     sliding_window: int | None = None,
-    kv_chunk: int = 128,
+    kv_chunk: int = 32,
 ) -> Float[Array, "T H D"]:
     """Attention of each token over its sequence's cached context and the step's new tokens."""
     t, h, d = q.shape
     kh = k_new.shape[1]
+    s = block_tables.shape[0]
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32) * sm_scale
     state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window)
-    tables = block_tables[jnp.maximum(token_seq, 0)]  # [T, B]
-    r = min(context_rows, t)
-
-    def rows_prefix(state):
-        ctx = _context_part(qg[:r], kv_pool, layer, tables[:r], context_lens[:r], positions[:r], kv_chunk,
-                            sliding_window)
-        head = _merge(tuple(x[:r] for x in state), ctx)
-        return tuple(jnp.concatenate([hx, x[r:]]) for hx, x in zip(head, state))
-
-    def all_rows(state):
-        return _merge(state, _context_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk,
-                                           sliding_window))
-
-    spill = jnp.any(context_lens[r:] > 0) if r < t else jnp.bool_(False)
-    m, l, acc = jax.lax.cond(spill, all_rows, rows_prefix, state)
+    r = min(s, t)
+    tables = block_tables[jnp.maximum(token_seq[:r], 0)]
+    head = _decode_part(qg[:r], kv_pool, layer, tables, decode_context_lens[:r], positions[:r], kv_chunk,
+                        sliding_window)
+    head = _merge(tuple(x[:r] for x in state), head)
+    state = tuple(jnp.concatenate([hx, x[r:]]) for hx, x in zip(head, state))
+    cont = _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, seq_context_lens,
+                              continuation_rows, kv_chunk * 4, sliding_window)
+    m, l, acc = _merge(state, cont)
+    l = jnp.where(l > 0, l, 1.0)  # padding tokens see no key
     return (acc / l[..., None]).reshape(t, h, d).astype(q.dtype)

@@ -78,7 +78,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     seed: int = 0
     compile_guard: bool = False  # raise if the jitted step compiles after warmup
-    attention_chunk: int = 128  # context tokens per iteration of the reference attention loop
+    attention_chunk: int = 32  # context tokens per iteration of the XLA attention's decode loop
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,

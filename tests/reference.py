@@ -47,8 +47,10 @@ def our_last_logits(model, prompt_ids: list[int], block_size: int = 16) -> np.nd
     table[0, :num_blocks] = np.arange(num_blocks, 0, -1)  # shuffled physical order
     pos = np.arange(n, dtype=np.int32)
     slots = table[0, pos // block_size] * block_size + pos % block_size
-    meta = AttentionMetadata(jnp.asarray(pos), jnp.asarray(slots), jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
-                             jnp.asarray(table))
+    zeros = jnp.zeros(n, jnp.int32)
+    meta = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots), token_seq=zeros,
+                             decode_context_lens=zeros, seq_context_lens=jnp.zeros(1, jnp.int32),
+                             continuation_rows=jnp.full(1, -1, jnp.int32), block_tables=jnp.asarray(table))
     hidden, _ = jax.jit(lambda ids, pool, meta: model(ids, pool, meta))(jnp.asarray(prompt_ids, jnp.int32), pool,
                                                                            meta)
     return np.asarray(model.compute_logits(hidden[-1:]))[0]

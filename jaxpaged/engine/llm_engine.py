@@ -89,7 +89,7 @@ class LLMEngine:
         tokenizer = load_tokenizer(args.tokenizer or path)
         sched = args.scheduler_config(model_config.max_position_embeddings)
         t0 = time.perf_counter()
-        model = build_model(model_config)
+        model = build_model(model_config, kv_chunk=max(32, args.block_size))
         logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
                     time.perf_counter() - t0)
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -104,7 +104,7 @@ class LLMEngine:
             scheduler_config=sched,
             seed=args.seed,
             compile_guard=args.compile_guard,
-            attention_chunk=max(128, args.block_size),
+            attention_chunk=max(32, args.block_size),
         )
         return cls(config, tokenizer, model)
 

@@ -50,7 +50,9 @@ class AttentionMetadata:
     positions: Int[Array, "T"]  # position of each token in its sequence
     slot_mapping: Int[Array, "T"]  # pool slot its K/V goes to; padding: num_blocks * block_size
     token_seq: Int[Array, "T"]  # row of block_tables the token belongs to; -1 for padding
-    context_lens: Int[Array, "T"]  # tokens of its sequence already in the pool before this step
+    decode_context_lens: Int[Array, "T"]  # for a decode token (1 new token): its cached tokens; else 0
+    seq_context_lens: Int[Array, "S"]  # tokens of each sequence already in the pool before this step
+    continuation_rows: Int[Array, "S"]  # rows with >1 new token and cached context, then -1
     block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
 
 
@@ -69,7 +71,7 @@ class LlamaForCausalLM(nnx.Module):
     """Decoder-only Llama-family model over a paged KV pool."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "xla",
-                 kv_chunk: int = 128):
+                 kv_chunk: int = 32):
         expected = param_shapes(cfg)
         missing = sorted(set(expected) - set(weights))
         if missing:
@@ -110,7 +112,8 @@ class LlamaForCausalLM(nnx.Module):
             v = v.reshape(t, kh, d)
             pool = write_kv(pool, idx, k, v, meta.slot_mapping)
             a = paged_attention(
-                q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions, meta.context_lens,
+                q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
+                meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
                 sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=self.kv_chunk,
                 backend=self.attention_backend,
             )

@@ -89,7 +89,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
                                      jnp.dtype(mc.dtype))
-        chunk_blocks = config.attention_chunk // cc.block_size
+        chunk_blocks = 4 * config.attention_chunk // cc.block_size  # the widest chunk the attention reads
         width = -(-sc.max_model_len // cc.block_size)
         self.geometry = StepGeometry(cc.block_size, cc.num_blocks, -(-width // chunk_blocks) * chunk_blocks)
         self.buckets = token_buckets(sc.max_num_batched_tokens)

@@ -39,16 +39,16 @@ class StepGeometry:
 
 
 def row_order(out: SchedulerOutput) -> list[int]:
-    """Rows with cached context first (decodes, then chunk continuations), fresh prefills last.
+    """Decode rows first, longest context first; then chunk continuations; fresh prefills last.
 
-    The attention reads the pool only for the first S token rows; this order puts every token that
-    has context there whenever it fits.
+    The XLA attention reads decode context per row in groups that stop at their own longest context,
+    so sorting by context keeps each group's work close to what its rows need.
     """
-    def key(i: int) -> int:
+    def key(i: int) -> tuple[int, int]:
         s = out.scheduled[i]
-        if s.request.num_computed_tokens == 0:
-            return 2
-        return 0 if s.num_new_tokens == 1 else 1
+        ctx = s.request.num_computed_tokens
+        kind = 2 if ctx == 0 else (0 if s.num_new_tokens == 1 else 1)
+        return kind, -ctx
 
     return sorted(range(len(out.scheduled)), key=key)
 
@@ -60,7 +60,10 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, geo.pad_slot, np.int32)
     token_seq = np.full(num_tokens, -1, np.int32)
-    context_lens = np.zeros(num_tokens, np.int32)
+    decode_context_lens = np.zeros(num_tokens, np.int32)
+    seq_context_lens = np.zeros(num_seqs, np.int32)
+    continuation_rows = np.full(num_seqs, -1, np.int32)
+    num_continuations = 0
     block_tables = np.zeros((num_seqs, geo.table_width), np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     temperature = np.zeros(num_seqs, np.float32)
@@ -81,7 +84,12 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = table[pos // geo.block_size] * geo.block_size + pos % geo.block_size
         token_seq[t : t + n] = i
-        context_lens[t : t + n] = start
+        seq_context_lens[i] = start
+        if start and n == 1:
+            decode_context_lens[t] = start
+        elif start:
+            continuation_rows[num_continuations] = i
+            num_continuations += 1
         t += n
         logits_indices[i] = t - 1
         p = req.sampling_params
@@ -91,7 +99,8 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     return StepInput(
         token_ids=token_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                               context_lens=context_lens, block_tables=block_tables),
+                               decode_context_lens=decode_context_lens, seq_context_lens=seq_context_lens,
+                               continuation_rows=continuation_rows, block_tables=block_tables),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps),
     )

@@ -11,12 +11,15 @@ from pallas_kernels.paged_attention import reference_ragged_paged_attention
 
 def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, num_blocks=80, layers=2,
               dtype=jnp.float32):
-    """seqs: list of (context_len, new_tokens). Returns all inputs, tokens with context first."""
+    """seqs: list of (context_len, new_tokens), laid out as the runner does (decodes first, longest first)."""
+    seqs = sorted(seqs, key=lambda s: (2 if s[0] == 0 else (0 if s[1] == 1 else 1), -s[0]))
     h = kh * group
     pool = jnp.asarray(rng.normal(size=(layers, 2, num_blocks, block_size, kh, d)), dtype)
     perm = rng.permutation(np.arange(1, num_blocks))
     tables = np.zeros((len(seqs), table_width), np.int32)
-    token_seq, positions, context_lens, slots = [], [], [], []
+    token_seq, positions, decode_ctx, slots = [], [], [], []
+    seq_ctx = np.zeros(len(seqs), np.int32)
+    cont_rows = np.full(len(seqs), -1, np.int32)
     used = 0
     for i, (ctx, n) in enumerate(seqs):
         nb = -(-(ctx + n) // block_size)
@@ -25,7 +28,10 @@ def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, 
         pos = np.arange(ctx, ctx + n)
         token_seq += [i] * n
         positions += pos.tolist()
-        context_lens += [ctx] * n
+        decode_ctx += [ctx if n == 1 else 0] * n
+        seq_ctx[i] = ctx
+        if ctx and n > 1:
+            cont_rows[np.argmax(cont_rows < 0)] = i
         slots += (tables[i, pos // block_size] * block_size + pos % block_size).tolist()
     t = len(token_seq) + 3  # three padding tokens
     pad = num_blocks * block_size
@@ -34,7 +40,8 @@ def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, 
     k = jnp.asarray(rng.normal(size=(t, kh, d)), dtype)
     v = jnp.asarray(rng.normal(size=(t, kh, d)), dtype)
     return dict(q=q, k=k, v=v, pool=pool, tables=jnp.asarray(tables), token_seq=arr(token_seq, -1),
-                positions=arr(positions, 0), context_lens=arr(context_lens, 0), slots=arr(slots, pad),
+                positions=arr(positions, 0), decode_ctx=arr(decode_ctx, 0), seq_ctx=jnp.asarray(seq_ctx),
+                cont_rows=jnp.asarray(cont_rows), slots=arr(slots, pad),
                 real=len(token_seq))
 
 
@@ -43,13 +50,14 @@ CASES = {
     "fresh prefills": [(0, 7), (0, 16), (0, 33)],
     "mixed": [(40, 1), (31, 1), (20, 12), (0, 9)],  # a continuation chunk that starts mid-block
     "block boundary": [(15, 1), (16, 1), (32, 16), (0, 1)],
+    "two continuations": [(9, 1), (20, 12), (47, 3), (0, 5)],
+    "many decodes": [(c, 1) for c in (3, 90, 17, 33, 64, 1, 120, 48, 5, 77, 30)],  # more than one row group
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("context_rows", [64, 2])  # 2: context tokens spill past the fast rows
 @pytest.mark.parametrize("window", [None, 8])
-def test_split_attention_matches_pool_reference(case, context_rows, window):
+def test_split_attention_matches_pool_reference(case, window):
     rng = np.random.default_rng(0)
     x = make_step(rng, CASES[case])
     layer = jnp.int32(1)
@@ -57,8 +65,8 @@ def test_split_attention_matches_pool_reference(case, context_rows, window):
     ref = reference_ragged_paged_attention(x["q"], pool, layer, x["tables"], jnp.maximum(x["token_seq"], 0),
                                            x["positions"], sm_scale=0.25, sliding_window=window, kv_chunk=32)
     got = split_ragged_paged_attention(x["q"], x["k"], x["v"], pool, layer, x["tables"], x["token_seq"],
-                                       x["positions"], x["context_lens"], sm_scale=0.25, context_rows=context_rows,
-                                       sliding_window=window, kv_chunk=32)
+                                       x["positions"], x["decode_ctx"], x["seq_ctx"], x["cont_rows"],
+                                       sm_scale=0.25, sliding_window=window, kv_chunk=16)
     n = x["real"]
     np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(ref[:n]), rtol=1e-5, atol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
