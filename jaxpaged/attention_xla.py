@@ -41,14 +41,25 @@ def _masked_softmax_part(s, visible, v, pv_spec: str):
     return m, p.sum(-1), jnp.einsum(pv_spec, p, v)
 
 
-def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window):
-    """Part A: each token over the step's new tokens of its own sequence, causally."""
-    s = jnp.einsum("tkgd,jkd->tkgj", qg, k_new.astype(jnp.float32))  # [T, KH, G, T]
-    visible = (token_seq[:, None] == token_seq[None, :]) & (token_seq[None, :] >= 0)
-    visible &= positions[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        visible &= positions[None, :] > positions[:, None] - sliding_window
-    return _masked_softmax_part(s, visible[:, None, None, :], v_new.astype(jnp.float32), "tkgj,jkd->tkgd")
+def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, *, tile: int = 128):
+    """Part A: each token over the step's new tokens of its own sequence, causally.
+
+    A sequence's new tokens are contiguous and in position order, so a token only sees tokens at or
+    before it in the flat layout: query tile i reads keys [0, end of tile i) only (the lower triangle).
+    """
+    t = qg.shape[0]
+    k_new, v_new = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
+    parts = []
+    for start in range(0, t, tile):
+        end = min(start + tile, t)
+        s = jnp.einsum("tkgd,jkd->tkgj", qg[start:end], k_new[:end])  # [tile, KH, G, end]
+        qs, ks = token_seq[start:end], token_seq[:end]
+        visible = (qs[:, None] == ks[None, :]) & (ks[None, :] >= 0)
+        visible &= positions[None, :end] <= positions[start:end, None]
+        if sliding_window is not None:
+            visible &= positions[None, :end] > positions[start:end, None] - sliding_window
+        parts.append(_masked_softmax_part(s, visible[:, None, None, :], v_new[:end], "tkgj,jkd->tkgd"))
+    return tuple(jnp.concatenate(xs) for xs in zip(*parts))
 
 
 def _window_mask(key_pos, positions, sliding_window):
