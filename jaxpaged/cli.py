@@ -24,6 +24,12 @@ def _generate(ns: argparse.Namespace) -> None:
               f"finish_reason={out.outputs[0].finish_reason}]")
 
 
+def _serve(ns: argparse.Namespace) -> None:
+    from server.serve import main as serve_main
+
+    serve_main(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import throughput
     from jaxpaged.config import EngineArgs
@@ -42,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0)
+    EngineArgs.add_cli_args(srv)
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -47,6 +47,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
 
@@ -46,6 +48,11 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.logprobs is not None:
             self._check_int("logprobs", minimum=0)
         self.temperature = float(self.temperature)

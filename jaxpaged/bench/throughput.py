@@ -13,7 +13,6 @@ import json
 import logging
 import time
 
-import numpy as np
 
 from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload
 from jaxpaged.config import EngineArgs

@@ -104,7 +104,11 @@ class Scheduler:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Stop requests wherever they are and free their blocks. Unknown ids are ignored."""
-        aborted = []
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests with `status` (abort, or a stop string the detokenizer found) and free their blocks."""
+        ended = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.finished:
@@ -113,9 +117,9 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            aborted.append(req)
-        return aborted
+            self._finish(req, status)
+            ended.append(req)
+        return ended
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0

@@ -15,6 +15,7 @@ from jaxpaged.config import CacheConfig, EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.registry import (
     build_model,
     default_model_path,
@@ -22,7 +23,7 @@ from jaxpaged.models.registry import (
     load_tokenizer,
     model_config_from_hf,
 )
-from jaxpaged.request import CompletionOutput, Request, RequestOutput
+from jaxpaged.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_kv_blocks
 from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.sampling_params import SamplingParams
@@ -36,6 +37,26 @@ class _Sequence:
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    final_text: str | None = None  # set when a stop string cut the text
+    stop_checked: int = 0  # text length already searched for stop strings
+
+    @property
+    def text(self) -> str:
+        """Text safe to show: the final text, or the text minus a tail that may still become a stop string."""
+        if self.final_text is not None:
+            return self.final_text
+        text = self.detokenizer.text
+        if self.request.finished:
+            return text
+        return text[: len(text) - _stop_prefix_len(text, self.request.sampling_params.stop)]
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    for k in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
 
 
 @dataclass
@@ -78,6 +99,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.metrics = EngineMetrics()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -176,36 +198,88 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one jitted step, and return outputs of requests that advanced."""
+        """Schedule, run one jitted step, and return outputs of requests that advanced or ended."""
         out = self.scheduler.schedule()
+        touched: dict[str, None] = dict.fromkeys(self._drain_ended())
         if out.is_empty:
-            return []
-        tokens = self.runner.execute(out)
-        kv = self.kv_cache_manager
-        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used,
-                                             kv.pool.num_blocks - 1 - kv.num_free_blocks)
-        self.stats.num_steps += 1
-        self.stats.num_prompt_tokens += sum(
+            return [self._make_output(pid) for pid in touched]
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+                self.metrics.queue_time.observe(now - s.request.arrival_time)
+        prompt_tokens = sum(
             max(0, min(s.request.num_computed_tokens + s.num_new_tokens, len(s.request.prompt_token_ids))
                 - s.request.num_computed_tokens) for s in out.scheduled)
+        tokens = self.runner.execute(out)
         advanced = self.scheduler.update_from_output(out, tokens)
-        self.stats.num_generation_tokens += len(advanced)
-        touched: dict[str, None] = {}
+        self._record_step(out, prompt_tokens, len(advanced))
+        now = time.monotonic()
         for req, new_ids in advanced:
             parent_id = self._child_to_parent.get(req.request_id)
             if parent_id is None:
                 continue
+            self._observe_token(req, now)
             seq = next(s for s in self._parents[parent_id].sequences if s.request is req)
             seq.detokenizer.add_tokens(new_ids)
+            self._check_stop_strings(seq)
             if req.finished:
                 seq.detokenizer.flush()
+                self._observe_finish(req, now)
             touched[parent_id] = None
         return [self._make_output(pid) for pid in touched]
+
+    def _drain_ended(self) -> list[str]:
+        """Parents whose every sequence ended outside a step (stop strings) and still owe a final output."""
+        return [pid for pid, p in self._parents.items() if p.finished]
+
+    def _check_stop_strings(self, seq: _Sequence) -> None:
+        req = seq.request
+        stops = req.sampling_params.stop
+        if not stops or req.status == RequestStatus.FINISHED_ABORTED:
+            return
+        text = seq.detokenizer.text
+        start = max(0, seq.stop_checked - max(len(x) for x in stops) + 1)
+        seq.stop_checked = len(text)
+        hits = [(i, x) for x in stops if (i := text.find(x, start)) >= 0]
+        if not hits:
+            return
+        i, stop = min(hits)
+        seq.final_text = text[: i + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:i]
+        if not req.finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+
+    def _record_step(self, out, prompt_tokens: int, generated: int) -> None:
+        kv, m = self.kv_cache_manager, self.metrics
+        used = kv.pool.num_blocks - 1 - kv.num_free_blocks
+        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
+        self.stats.num_steps += 1
+        self.stats.num_prompt_tokens += prompt_tokens
+        self.stats.num_generation_tokens += generated
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(generated)
+        m.preemptions.inc(len(out.preempted_ids))
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.kv_usage.set(kv.usage())
+        m.maybe_log()
+
+    def _observe_token(self, req: Request, now: float) -> None:
+        if req.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def _observe_finish(self, req: Request, now: float) -> None:
+        self.metrics.e2e.observe(now - req.arrival_time)
+        self.metrics.success.labels(finished_reason=req.status.finish_reason).inc()
 
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
         outputs = [
-            CompletionOutput(index=i, text=s.detokenizer.text, token_ids=list(s.request.output_token_ids),
+            CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
                              finish_reason=s.request.status.finish_reason, stop_reason=s.request.stop_reason)
             for i, s in enumerate(parent.sequences)
         ]

@@ -1,0 +1,62 @@
+"""Prometheus metrics with vLLM's names under a `jaxpaged:` prefix, and the periodic log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger("jaxpaged.stats")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class EngineMetrics:
+    """Collectors for one engine, in their own registry (several engines can live in one process)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r, p = self.registry, "jaxpaged:"
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
+                              registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens computed.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter(p + "request_success", "Finished requests by reason.", ["finished_reason"],
+                               registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted.", registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        hist = lambda name, doc: Histogram(p + name, doc, buckets=_LATENCY_BUCKETS, registry=r)  # noqa: E731
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a request.")
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish.")
+        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self._last_log = time.monotonic()
+        self._last_prompt = 0.0
+        self._last_gen = 0.0
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector."""
+        return generate_latest(self.registry)
+
+    def maybe_log(self, interval_s: float = 5.0) -> None:
+        """Log throughput, queue sizes and KV usage if `interval_s` passed since the last line."""
+        now = time.monotonic()
+        if now - self._last_log < interval_s:
+            return
+        prompt = self.prompt_tokens._value.get()
+        gen = self.generation_tokens._value.get()
+        dt = now - self._last_log
+        queries, hits = self.prefix_queries._value.get(), self.prefix_hits._value.get()
+        logger.info(
+            "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, waiting: %d, "
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            (prompt - self._last_prompt) / dt, (gen - self._last_gen) / dt, self.running._value.get(),
+            self.waiting._value.get(), 100 * self.kv_usage._value.get(), 100 * hits / queries if queries else 0.0,
+        )
+        self._last_log, self._last_prompt, self._last_gen = now, prompt, gen

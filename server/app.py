@@ -1,0 +1,106 @@
+"""`create_app(engine)`: the OpenAI-compatible aiohttp application."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from jaxpaged.engine.async_llm import AsyncLLM
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.protocol import APIError, get_field, now
+from server.state import STATE, ServerState
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+
+
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    """API key check, and every failure as OpenAI's JSON error body."""
+    state: ServerState = request.app[STATE]
+    try:
+        if state.api_key and request.path.startswith("/v1"):
+            if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
+                raise APIError("Invalid API key.", status=401, err_type="AuthenticationError")
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status == 404:
+            e = APIError(f"Not found: {request.path}", status=404, err_type="NotFoundError")
+        elif e.status == 413:
+            e = APIError("the request body is too large", status=413)
+        else:
+            e = APIError(e.reason, status=e.status)
+        return web.json_response(e.body(), status=e.status)
+    except ConnectionResetError:
+        raise
+    except Exception as e:
+        logger.exception("request failed")
+        err = APIError(f"internal error: {type(e).__name__}: {e}", status=500, err_type="InternalServerError")
+        return web.json_response(err.body(), status=500)
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": now(), "owned_by": "jaxpaged",
+        "max_model_len": state.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    if state.engine.errored is not None:
+        return web.json_response({"status": "error"}, status=503)
+    return web.Response(text="")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    return web.Response(body=state.engine.engine.metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    body = await state.read_json(request)
+    tok = state.engine.tokenizer
+    if "messages" in body:
+        from server.chat import parse_messages
+
+        ids = list(tok.apply_chat_template(parse_messages(body), add_generation_prompt=bool(
+            body.get("add_generation_prompt", True)), tokenize=True, return_dict=True)["input_ids"])
+    else:
+        ids = tok.encode(get_field(body, "prompt", (str,)),
+                         add_special_tokens=get_field(body, "add_special_tokens", (bool,), True))
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    body = await state.read_json(request)
+    ids = get_field(body, "tokens", (list,))
+    vocab = state.engine.engine.config.model_config.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
+    return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})
+
+
+def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None
+               ) -> web.Application:
+    """The aiohttp application serving `engine` with OpenAI's API."""
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = ServerState(engine, model_name, api_key)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    return app

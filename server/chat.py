@@ -1,0 +1,83 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.state import STATE
+from server.protocol import APIError, Usage, get_field, new_id, now, sampling_params_from
+from server.streaming import SSEWriter, merged, start_all
+
+ROLES = {"system", "user", "assistant", "developer", "tool"}
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """Validated messages with string content (text parts joined)."""
+    messages = get_field(body, "messages", (list,))
+    if not messages:
+        raise APIError("'messages' must not be empty", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(f"each message needs a 'role' in {sorted(ROLES)}", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError("only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError("message 'content' must be a string or a list of text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await state.read_json(request)
+    state.check_model(body)
+    messages = parse_messages(body)
+    tok = state.engine.tokenizer
+    try:
+        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+    except Exception as e:  # a template that rejects this conversation
+        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+    params = sampling_params_from(body, default_max_tokens=None)
+    state.check_length(len(prompt), params.max_tokens)
+    if params.max_tokens is None:
+        params.max_tokens = state.max_model_len - len(prompt)
+    rid, created = new_id("chatcmpl"), now()
+    stream = get_field(body, "stream", (bool,), False)
+    include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    gens = await start_all(state.engine, [prompt], params, rid)
+    texts, finish = [""] * params.n, [None] * params.n
+    completion_tokens = 0
+
+    def chunk(choices, obj="chat.completion.chunk"):
+        return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
+
+    sse = SSEWriter(request) if stream else None
+    if sse:
+        await sse.start()
+        await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for j in range(params.n)]))
+    async for _, out in merged(gens):
+        choices = []
+        for o in out.outputs:
+            completion_tokens += len(o.token_ids)
+            texts[o.index] += o.text
+            finish[o.index] = o.finish_reason
+            if sse and (o.text or o.finish_reason):
+                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {},
+                                "logprobs": None, "finish_reason": o.finish_reason})
+        if sse and choices:
+            await sse.send(chunk(choices))
+    usage = Usage(len(prompt), completion_tokens)
+    if sse:
+        if include_usage:
+            await sse.send({**chunk([]), "usage": usage.to_dict()})
+        return await sse.done()
+    choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]}, "logprobs": None,
+                "finish_reason": finish[j]} for j in range(params.n)]
+    return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -1,0 +1,51 @@
+"""What the handlers share, and the typed application key it lives under."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aiohttp import web
+
+from jaxpaged.engine.async_llm import AsyncLLM
+from server.protocol import APIError, get_field
+
+
+class ServerState:
+    """What the handlers share: the engine, the served model's name and limits, the API key."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None):
+        self.engine = engine
+        cfg = engine.engine.config
+        self.model_name = model_name or os.path.basename(cfg.model_config.model.rstrip("/"))
+        self.max_model_len = cfg.scheduler_config.max_model_len
+        self.api_key = api_key
+
+    async def read_json(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise APIError("the request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        return body
+
+    def check_model(self, body: dict) -> None:
+        model = get_field(body, "model", (str,), None)
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
+                           err_type="NotFoundError")
+
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> None:
+        total = prompt_len + (max_tokens or 0)
+        if prompt_len >= self.max_model_len or total > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({prompt_len} in the messages, {max_tokens or 0} in the completion).",
+                param="max_tokens" if prompt_len < self.max_model_len else "prompt")
+
+
+STATE = web.AppKey("state", ServerState)

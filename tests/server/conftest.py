@@ -1,0 +1,54 @@
+"""A real server on a loopback port, backed by a tiny model, in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.async_llm import AsyncLLM
+from server.app import create_app
+
+API_KEY = "test-key"
+ENGINE_ARGS = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=128, compile_guard=True)
+
+
+class LiveServer:
+    def __init__(self, engine: AsyncLLM, api_key: str | None):
+        self.engine = engine
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(api_key,), daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+
+    def _run(self, api_key):
+        asyncio.set_event_loop(self.loop)
+        app = create_app(self.engine, model_name="tiny", api_key=api_key)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), **ENGINE_ARGS))
+    server = LiveServer(engine, API_KEY)
+    yield server
+    server.stop()
