@@ -31,6 +31,7 @@ def _serve(ns: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.bench import serve as serve_bench
     from jaxpaged.bench import throughput
     from jaxpaged.config import EngineArgs
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser("throughput", help="offline throughput, optionally against HF transformers")
     throughput.add_args(tp)
     tp.set_defaults(func=throughput.main)
+    sv = bench_sub.add_parser("serve", help="streaming load against an OpenAI-compatible server")
+    serve_bench.add_args(sv)
+    sv.set_defaults(func=serve_bench.main)
     return parser
 
 

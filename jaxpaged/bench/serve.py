@@ -1,0 +1,195 @@
+"""Serving benchmark: streaming load against any OpenAI-compatible /v1/completions endpoint.
+
+    jaxpaged serve &                      # in another shell
+    jaxpaged bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
+
+Workloads: the seeded random-token one of `bench throughput` (sent as token ids), or --dataset FILE
+(one prompt per line, or JSONL with a "prompt" field). Arrivals are Poisson at --request-rate
+(inf: all at once), optionally capped by --max-concurrency. Prints the table `vllm bench serve`
+prints and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxpaged.bench.workload import parse_range, random_token_workload
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def send_one(session, url: str, model: str, prompt, max_tokens: int, api_key: str | None,
+                   ignore_eos: bool) -> RequestResult:
+    """Stream one completion; time the first token and every later chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    res = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
+    start = last = time.perf_counter()
+    try:
+        async with session.post(url, json=body, headers=headers) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                now = time.perf_counter()
+                if payload.get("usage"):
+                    res.output_tokens = payload["usage"]["completion_tokens"]
+                    res.prompt_len = payload["usage"]["prompt_tokens"]
+                if payload.get("choices") and payload["choices"][0].get("text"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except Exception as e:  # noqa: BLE001 - counted as a failed request
+        res.error = repr(e)
+    return res
+
+
+def load_prompts(ns) -> list[tuple[object, int]]:
+    """(prompt, max_tokens) pairs: a file of real prompts, or the random-token workload."""
+    out_lo, out_hi = parse_range(ns.output_len)
+    rng = np.random.default_rng(ns.seed)
+    if ns.dataset:
+        with open(ns.dataset) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        prompts = [json.loads(ln)["prompt"] if ln.startswith("{") else ln for ln in lines][: ns.num_prompts]
+        return [(p, int(rng.integers(out_lo, out_hi + 1))) for p in prompts]
+    vocab = ns.vocab_size
+    reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), (out_lo, out_hi), vocab, ns.seed,
+                                 set(range(0, 20)))
+    return [(r.prompt_token_ids, r.output_len) for r in reqs]
+
+
+async def run(ns) -> dict:
+    import aiohttp
+
+    work = load_prompts(ns)
+    url = ns.base_url.rstrip("/") + "/v1/completions"
+    rng = np.random.default_rng(ns.seed + 1)
+    sem = asyncio.Semaphore(ns.max_concurrency or len(work) or 1)
+    timeout = aiohttp.ClientTimeout(total=ns.timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def limited(p, n):
+            async with sem:
+                return await send_one(session, url, ns.model, p, n, ns.api_key, not ns.no_ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        for p, n in work:
+            tasks.append(asyncio.create_task(limited(p, n)))
+            if ns.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / ns.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, ns)
+
+
+def _stats(name: str, xs: list[float]) -> dict:
+    a = np.asarray(xs or [0.0]) * 1000
+    return {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)),
+            f"p99_{name}_ms": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, ns) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "successful_requests": len(ok), "failed_requests": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_generated_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+        **_stats("ttft", [r.ttft for r in ok]), **_stats("tpot", tpot),
+        **_stats("itl", [x for r in ok for x in r.itl]), **_stats("e2el", [r.latency for r in ok]),
+        "request_rate": ns.request_rate, "max_concurrency": ns.max_concurrency, "num_prompts": ns.num_prompts,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    return summary
+
+
+def print_table(s: dict) -> None:
+    rows = [("Successful requests", s["successful_requests"], "{}"), ("Failed requests", s["failed_requests"], "{}"),
+            ("Benchmark duration (s)", s["duration_s"], "{:.2f}"),
+            ("Total input tokens", s["total_input_tokens"], "{}"),
+            ("Total generated tokens", s["total_generated_tokens"], "{}"),
+            ("Request throughput (req/s)", s["request_throughput"], "{:.2f}"),
+            ("Output token throughput (tok/s)", s["output_token_throughput"], "{:.2f}"),
+            ("Total token throughput (tok/s)", s["total_token_throughput"], "{:.2f}")]
+    for title, key in (("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"),
+                       ("Inter-token Latency", "itl"), ("End-to-end Latency", "e2el")):
+        rows.append((f"---{title}---", None, ""))
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {key.upper()} (ms)", s[f"{stat}_{key}_ms"], "{:.2f}"))
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    for title, value, fmt in rows:
+        if value is None:
+            print("{s:{c}^50}".format(s=title, c="-"))
+        else:
+            print(f"{title:<40}{fmt.format(value):>10}")
+    print("=" * 50)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", default=None, help="file of prompts (text lines or JSONL with 'prompt')")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="16:512")
+    p.add_argument("--output-len", default="16:256")
+    p.add_argument("--vocab-size", type=int, default=49152, help="token id range of the random workload")
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--no-ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--output-json", default="bench_results/serve.json")
+
+
+def main(ns: argparse.Namespace) -> dict:
+    if ns.model is None:
+        import urllib.request
+
+        req = urllib.request.Request(ns.base_url.rstrip("/") + "/v1/models",
+                                     headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {})
+        with urllib.request.urlopen(req) as r:
+            ns.model = json.load(r)["data"][0]["id"]
+    summary = asyncio.run(run(ns))
+    print_table(summary)
+    if ns.output_json:
+        os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
+        with open(ns.output_json, "w") as f:
+            json.dump({**summary, "args": {k: v for k, v in vars(ns).items() if k != "func"}}, f, indent=2,
+                      default=str)
+        print(f"wrote {ns.output_json}")
+    return summary
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    main(parser.parse_args())
