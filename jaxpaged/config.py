@@ -79,6 +79,7 @@ class EngineConfig:
     seed: int = 0
     compile_guard: bool = False  # raise if the jitted step compiles after warmup
     attention_chunk: int = 32  # context tokens per iteration of the XLA attention's decode loop
+    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties and biases)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -118,6 +119,7 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     scheduling_policy: str = "fcfs"
     compile_guard: bool = False
+    logprobs_mode: str = "raw_logprobs"  # logprobs from the raw model output, or "processed_logprobs"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -135,6 +137,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:

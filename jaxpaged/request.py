@@ -49,6 +49,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     last_token_time: float | None = None
+    # Dense rows for the logits processors (bias, min_tokens mask), built at admission when needed.
+    processor_rows: tuple | None = None
+    # Logprob information of each generated token: (logprob, rank, top ids, top logprobs).
+    output_logprobs: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +81,15 @@ class Request:
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log-probability, its rank in the distribution, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (vLLM's `CompletionOutput`)."""
 
@@ -84,7 +97,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

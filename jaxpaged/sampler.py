@@ -1,4 +1,4 @@
-"""Token selection inside the jitted step: per-row temperature, top-k, top-p and seeds."""
+"""Token selection inside the jitted step: processors, temperature, min-p, top-k/top-p, seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt32
 
+from jaxpaged.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels.sampling import reference_top_k_top_p_sampling
 
 
@@ -21,6 +23,20 @@ class SamplingMetadata:
     top_p: Float[Array, "S"]  # 1 = off
     seeds: UInt32[Array, "S"]  # the request's seed
     steps: Int[Array, "S"]  # index of the output token being drawn
+    num_logprobs: Int[Array, "S"]  # -1: no logprobs; k >= 0: the sampled token and the top k
+    processors: ProcessorInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What the step returns per row: the token, and its logprob information."""
+
+    token_ids: Int[Array, "S"]
+    logprob: Float[Array, "S"]  # of the sampled token (0 where not asked)
+    rank: Int[Array, "S"]  # 1 = most likely
+    top_ids: Int[Array, "S K"]  # K = MAX_LOGPROBS
+    top_logprobs: Float[Array, "S K"]
 
 
 def request_keys(seeds: UInt32[Array, "S"], steps: Int[Array, "S"]):
@@ -28,12 +44,34 @@ def request_keys(seeds: UInt32[Array, "S"], steps: Int[Array, "S"]):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, steps)
 
 
-def sample(logits: Float[Array, "S V"], meta: SamplingMetadata) -> Int[Array, "S"]:
-    """Next token per row. All-greedy batches skip the random draw entirely."""
+def _draw(x: Float[Array, "S V"], meta: SamplingMetadata) -> Int[Array, "S"]:
+    greedy = meta.temperature <= 0
+    scaled = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+    scaled = jax.lax.cond(jnp.any(meta.processors.min_p > 0), apply_min_p, lambda y, _: y, scaled,
+                          meta.processors.min_p)
+    keys = request_keys(meta.seeds, meta.steps)
+    return reference_top_k_top_p_sampling(scaled, keys, jnp.where(greedy, 0.0, 1.0), meta.top_k, meta.top_p)
 
-    def draw(logits):
-        keys = request_keys(meta.seeds, meta.steps)
-        return reference_top_k_top_p_sampling(logits, keys, meta.temperature, meta.top_k, meta.top_p)
 
+def _logprobs(source: Float[Array, "S V"], tokens: Int[Array, "S"]):
+    lsm = jax.nn.log_softmax(source.astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(lsm, tokens[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(lsm > tok[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(lsm, MAX_LOGPROBS)
+    return tok, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetadata, *,
+           logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+    """Next token per row. All-greedy batches skip the random draw; batches without logprobs skip top-k."""
+    processed = process_logits(logits, row_state, meta.processors)
     all_greedy = jnp.all(meta.temperature <= 0)
-    return jax.lax.cond(all_greedy, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), draw, logits)
+    tokens = jax.lax.cond(all_greedy, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                          lambda x: _draw(x, meta), processed)
+    source = logits if logprobs_mode == "raw_logprobs" else processed
+    s = logits.shape[0]
+    none = (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+    lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(meta.num_logprobs >= 0), _logprobs,
+                                             lambda *_: none, source, tokens)
+    return SamplerOutput(tokens, lp, rank, top_ids, top_lp)

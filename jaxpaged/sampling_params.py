@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -25,7 +27,14 @@ class SamplingParams:
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = None
+    logprobs: int | None = None  # top-k alternatives per generated token (0: only the sampled token)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_p: float = 0.0  # drop tokens below min_p * the top token's probability
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (their single-token forms are masked)
 
     def __post_init__(self) -> None:
         self._check_int("n", minimum=1)
@@ -55,8 +64,40 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.logprobs is not None:
             self._check_int("logprobs", minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        self._check_float("repetition_penalty", lo=0.0, lo_open=True)
+        self._check_float("presence_penalty", lo=-2.0, hi=2.0)
+        self._check_float("frequency_penalty", lo=-2.0, hi=2.0)
+        self._check_float("min_p", lo=0.0, hi=1.0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            try:
+                self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map integer token ids to numbers") from None
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative ints")
+        if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+
+    def _check_float(self, name: str, *, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
+        v = getattr(self, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (lo < v if lo_open else lo <= v) or v > hi:
+            raise ValueError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+        setattr(self, name, float(v))
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_bias_row(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def _check_int(self, name: str, *, minimum: int) -> None:
         v = getattr(self, name)

@@ -39,6 +39,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their slots)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -94,6 +95,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -134,7 +136,8 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -223,6 +226,7 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._finished_ids.append(req.request_id)
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)

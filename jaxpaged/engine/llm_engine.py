@@ -23,7 +23,7 @@ from jaxpaged.models.registry import (
     load_tokenizer,
     model_config_from_hf,
 )
-from jaxpaged.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_kv_blocks
 from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.sampling_params import SamplingParams
@@ -127,6 +127,7 @@ class LLMEngine:
             seed=args.seed,
             compile_guard=args.compile_guard,
             attention_chunk=max(32, args.block_size),
+            logprobs_mode=args.logprobs_mode,
         )
         return cls(config, tokenizer, model)
 
@@ -155,13 +156,41 @@ class LLMEngine:
             seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
-                          eos_token_ids=self.config.model_config.eos_token_ids)
+                          eos_token_ids=self.config.model_config.eos_token_ids,
+                          processor_rows=self._processor_rows(params))
             parent.sequences.append(_Sequence(req, IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)))
             self._child_to_parent[child_id] = request_id
             self.scheduler.add_request(req)
         self._parents[request_id] = parent
         return request_id
+
+    def _processor_rows(self, params: SamplingParams):
+        """Dense (bias, min_tokens mask) rows [V] for requests that use those features, else None."""
+        if not params.needs_bias_row and params.min_tokens == 0:
+            return None
+        vocab = self.config.model_config.vocab_size
+        bias = np.zeros(vocab, np.float32)
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"allowed_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})")
+            bias[:] = -np.inf
+            bias[params.allowed_token_ids] = 0.0
+        for tok, b in (params.logit_bias or {}).items():
+            if not 0 <= tok < vocab:
+                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary [0, {vocab})")
+            bias[tok] += b
+        for word in params.bad_words or []:
+            for variant in (word, " " + word):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if len(ids) == 1:  # multi-token bad words are not masked (see README)
+                    bias[ids[0]] = -np.inf
+        min_mask = np.zeros(vocab, bool)
+        if params.min_tokens:
+            stop_ids = [t for t in (*self.config.model_config.eos_token_ids, *params.stop_token_ids) if t < vocab]
+            min_mask[stop_ids] = True
+        return bias, min_mask
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         sc, cc = self.config.scheduler_config, self.config.cache_config
@@ -211,8 +240,13 @@ class LLMEngine:
         prompt_tokens = sum(
             max(0, min(s.request.num_computed_tokens + s.num_new_tokens, len(s.request.prompt_token_ids))
                 - s.request.num_computed_tokens) for s in out.scheduled)
-        tokens = self.runner.execute(out)
-        advanced = self.scheduler.update_from_output(out, tokens)
+        result = self.runner.execute(out)
+        for i, s in enumerate(out.scheduled):
+            k = s.request.sampling_params.logprobs
+            if k is not None and s.samples:
+                s.request.output_logprobs.append((float(result.logprob[i]), int(result.rank[i]),
+                                                  result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+        advanced = self.scheduler.update_from_output(out, result.token_ids)
         self._record_step(out, prompt_tokens, len(advanced))
         now = time.monotonic()
         for req, new_ids in advanced:
@@ -276,11 +310,24 @@ class LLMEngine:
         self.metrics.e2e.observe(now - req.arrival_time)
         self.metrics.success.labels(finished_reason=req.status.finish_reason).inc()
 
+    def _logprob_fields(self, req: Request) -> dict:
+        """vLLM's `logprobs` (one {token_id: Logprob} per generated token) and `cumulative_logprob`."""
+        if req.sampling_params.logprobs is None:
+            return {}
+        decode = self.tokenizer.convert_ids_to_tokens
+        entries = []
+        for tok, (lp, rank, top_ids, top_lps) in zip(req.output_token_ids, req.output_logprobs):
+            entry = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
+            entry[tok] = Logprob(lp, rank, decode(tok))
+            entries.append(entry)
+        return {"logprobs": entries, "cumulative_logprob": float(sum(e[0] for e in req.output_logprobs))}
+
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
         outputs = [
             CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
-                             finish_reason=s.request.status.finish_reason, stop_reason=s.request.stop_reason)
+                             finish_reason=s.request.status.finish_reason, stop_reason=s.request.stop_reason,
+                             **self._logprob_fields(s.request))
             for i, s in enumerate(parent.sequences)
         ]
         finished = parent.finished

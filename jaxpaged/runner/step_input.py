@@ -10,6 +10,7 @@ from jaxtyping import Array, Int
 
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.llama import AttentionMetadata
+from jaxpaged.logits_processors import ProcessorInputs
 from jaxpaged.sampler import SamplingMetadata
 
 
@@ -54,8 +55,12 @@ def row_order(out: SchedulerOutput) -> list[int]:
 
 
 def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: StepGeometry,
-                     order: list[int]) -> StepInput:
-    """Numpy arrays for `out` with rows in `order`, padded to `num_tokens` tokens and `num_seqs` rows."""
+                     order: list[int], slots: dict[str, int], reset_slots: np.ndarray) -> StepInput:
+    """Numpy arrays for `out` with rows in `order`, padded to `num_tokens` tokens and `num_seqs` rows.
+
+    `slots` maps request ids to their processor-state rows; `reset_slots` [R] marks rows handed out now.
+    """
+    num_slots = len(reset_slots)
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, geo.pad_slot, np.int32)
@@ -71,6 +76,13 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     top_p = np.ones(num_seqs, np.float32)
     seeds = np.zeros(num_seqs, np.uint32)
     steps = np.zeros(num_seqs, np.int32)
+    num_logprobs = np.full(num_seqs, -1, np.int32)
+    token_slot = np.full(num_tokens, num_slots, np.int32)
+    token_is_output = np.zeros(num_tokens, bool)
+    row_slot = np.zeros(num_seqs, np.int32)
+    rep, pres, freq = np.ones(num_seqs, np.float32), np.zeros(num_seqs, np.float32), np.zeros(num_seqs, np.float32)
+    min_p = np.zeros(num_seqs, np.float32)
+    use_bias, suppress = np.zeros(num_seqs, bool), np.zeros(num_seqs, bool)
 
     t = 0
     for i, j in enumerate(order):
@@ -95,6 +107,14 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
         p = req.sampling_params
         temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
         seeds[i], steps[i] = req.seed, req.num_output_tokens
+        num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
+        slot = slots[req.request_id]
+        token_slot[t - n : t] = slot
+        token_is_output[t - n : t] = pos >= len(req.prompt_token_ids)
+        row_slot[i] = slot
+        rep[i], pres[i], freq[i], min_p[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p
+        use_bias[i] = p.needs_bias_row
+        suppress[i] = req.num_output_tokens < p.min_tokens
 
     return StepInput(
         token_ids=token_ids,
@@ -102,5 +122,10 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
                                decode_context_lens=decode_context_lens, seq_context_lens=seq_context_lens,
                                continuation_rows=continuation_rows, block_tables=block_tables),
         logits_indices=logits_indices,
-        sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps),
+        sampling=SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, num_logprobs=num_logprobs,
+            processors=ProcessorInputs(
+                token_slot=token_slot, token_is_output=token_is_output, reset_slots=reset_slots, row_slot=row_slot,
+                repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, min_p=min_p,
+                use_bias=use_bias, suppress_stop=suppress)),
     )
