@@ -1,0 +1,99 @@
+"""Sampling controls end to end: HF-equal repetition penalty, logprobs, min_tokens, bias, allowed ids."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from tests.reference import hf_last_logits
+from tests.tiny_models import load_hf_model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return load_hf_model(tiny_model_dir("llama"))
+
+
+PROMPT = [5, 9, 14, 9, 30, 41]
+
+
+def test_repetition_penalty_matches_hf_generate(llm, hf):
+    import torch
+
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8),
+                       use_tqdm=False)[0]
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, repetition_penalty=1.8,
+                      pad_token_id=0)[0, len(PROMPT):].tolist()  # both stop after EOS
+    assert out.outputs[0].token_ids == ref
+
+
+def test_greedy_logprobs_equal_hf_log_softmax(llm, hf):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    seq = list(PROMPT)
+    total = 0.0
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        ref = hf_last_logits(hf, seq)
+        ref = ref - np.log(np.exp(ref - ref.max()).sum()) - ref.max()
+        assert entry[tok].rank == 1 and entry[tok].logprob == pytest.approx(ref[tok], abs=1e-4)
+        top5 = np.argsort(-ref)[:5]
+        assert sorted(entry) == sorted(top5.tolist())
+        for t in top5:
+            assert entry[int(t)].logprob == pytest.approx(ref[t], abs=1e-4)
+        total += ref[tok]
+        seq.append(tok)
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_min_tokens_suppresses_eos(llm):
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    first = base[0].outputs[0].token_ids[0]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
+
+
+def test_logit_bias_allowed_ids_and_mixed_batch_do_not_recompile(llm):
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}),
+        SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, allowed_token_ids=[10, 11, 12], seed=3),
+        SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, min_p=0.2, presence_penalty=1.0, seed=4),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]
+    outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)  # compile_guard is on
+    assert outs[0].outputs[0].token_ids == [77] * 5
+    assert set(outs[1].outputs[0].token_ids) <= {10, 11, 12}
+    alone = llm.generate([PROMPT], params[3], use_tqdm=False)[0]
+    assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids  # neighbours' features leave row 3 alone
+
+
+def test_bad_values_name_the_field():
+    for kw, field in [(dict(repetition_penalty=-1), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+                      (dict(frequency_penalty=5), "frequency_penalty"), (dict(logprobs=50), "logprobs"),
+                      (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(bad_words=[""]), "bad_words")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+
+
+def test_stop_strings_across_token_boundaries(llm):
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = base.text.split(" ")
+    # a stop string made of the end of word 3, the space, and the start of word 4: it spans two tokens
+    stop = words[3][-2:] + " " + words[4][:2]
+    cut = base.text.index(stop)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop, "zzz"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:cut]
+    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop,
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == base.text[: cut + len(stop)]
+    longer = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   stop=["never appears"]), use_tqdm=False)[0].outputs[0]
+    assert longer.text == base.text and longer.finish_reason == "length"
