@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.state import STATE
-from server.protocol import APIError, Usage, get_field, new_id, now, sampling_params_from
+from server.protocol import APIError, Usage, chat_logprobs, get_field, new_id, now, sampling_params_from
 from server.streaming import SSEWriter, merged, start_all
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
@@ -43,7 +43,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                               return_dict=True)["input_ids"])
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
-    params = sampling_params_from(body, default_max_tokens=None)
+    params = sampling_params_from(body, default_max_tokens=None, chat=True)
     state.check_length(len(prompt), params.max_tokens)
     if params.max_tokens is None:
         params.max_tokens = state.max_model_len - len(prompt)
@@ -52,6 +52,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
     gens = await start_all(state.engine, [prompt], params, rid)
     texts, finish = [""] * params.n, [None] * params.n
+    logprobs: list[list] = [[] for _ in range(params.n)]
+    tokens: list[list[int]] = [[] for _ in range(params.n)]
+    k = params.logprobs or 0
     completion_tokens = 0
 
     def chunk(choices, obj="chat.completion.chunk"):
@@ -68,9 +71,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             completion_tokens += len(o.token_ids)
             texts[o.index] += o.text
             finish[o.index] = o.finish_reason
+            tokens[o.index] += o.token_ids
+            if o.logprobs is not None:
+                logprobs[o.index] += o.logprobs[-len(o.token_ids):] if o.token_ids else []
             if sse and (o.text or o.finish_reason):
+                lp = (chat_logprobs(o.logprobs[-len(o.token_ids):], o.token_ids, k)
+                      if o.logprobs is not None and o.token_ids else None)
                 choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {},
-                                "logprobs": None, "finish_reason": o.finish_reason})
+                                "logprobs": lp, "finish_reason": o.finish_reason})
         if sse and choices:
             await sse.send(chunk(choices))
     usage = Usage(len(prompt), completion_tokens)
@@ -78,6 +86,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
-    choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]}, "logprobs": None,
+    choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]},
+                "logprobs": chat_logprobs(logprobs[j], tokens[j], k) if params.logprobs is not None else None,
                 "finish_reason": finish[j]} for j in range(params.n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.state import STATE
-from server.protocol import APIError, Usage, get_field, new_id, now, sampling_params_from
+from server.protocol import APIError, Usage, completion_logprobs, get_field, new_id, now, sampling_params_from
 from server.streaming import SSEWriter, merged, start_all
 
 
@@ -48,6 +48,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     n = params.n
     texts = [[""] * n for _ in prompts]
     finish = [[None] * n for _ in prompts]
+    tokens = [[[] for _ in range(n)] for _ in prompts]
+    logprobs = [[[] for _ in range(n)] for _ in prompts]
+    tok = state.engine.tokenizer
     completion_tokens = 0
 
     def chunk(choices):
@@ -63,8 +66,13 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             completion_tokens += len(o.token_ids)
             texts[i][o.index] += o.text
             finish[i][o.index] = o.finish_reason
+            tokens[i][o.index] += o.token_ids
+            delta_lp = o.logprobs[-len(o.token_ids):] if o.logprobs is not None and o.token_ids else None
+            if delta_lp:
+                logprobs[i][o.index] += delta_lp
             if sse and (o.text or o.finish_reason):
-                choices.append({"index": i * n + o.index, "text": o.text, "logprobs": None,
+                choices.append({"index": i * n + o.index, "text": o.text,
+                                "logprobs": completion_logprobs(delta_lp, o.token_ids, tok) if delta_lp else None,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         if sse and choices:
             await sse.send(chunk(choices))
@@ -73,6 +81,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
-    choices = [{"index": i * n + j, "text": texts[i][j], "logprobs": None, "finish_reason": finish[i][j]}
+    want_lp = params.logprobs is not None
+    choices = [{"index": i * n + j, "text": texts[i][j], "finish_reason": finish[i][j],
+                "logprobs": completion_logprobs(logprobs[i][j], tokens[i][j], tok) if want_lp else None}
                for i in range(len(prompts)) for j in range(n)]
     return web.json_response({**chunk(choices), "usage": usage.to_dict()})

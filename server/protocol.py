@@ -41,17 +41,21 @@ def get_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MI
     return value
 
 
-# Fields that vLLM accepts and this engine does not implement yet: refused unless neutral.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
-            "logprobs": None, "top_logprobs": None, "prompt_logprobs": None, "logit_bias": None}
+def requested_logprobs(body: dict, *, chat: bool) -> int | None:
+    """Top alternatives per token: completions' `logprobs: int`, chat's `logprobs: bool` + `top_logprobs`."""
+    if chat:
+        if not get_field(body, "logprobs", (bool,), False):
+            if body.get("top_logprobs"):
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        return get_field(body, "top_logprobs", (int,), 0)
+    return get_field(body, "logprobs", (int,), None)
 
 
-def sampling_params_from(body: dict, *, default_max_tokens: int | None) -> SamplingParams:
+def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    for name, neutral in _NEUTRAL.items():
-        value = body.get(name)
-        if value not in (None, neutral, False) and not (name == "logprobs" and value is False):
-            raise APIError(f"'{name}' is not supported by this server yet", param=name)
+    if body.get("prompt_logprobs") is not None:
+        raise APIError("'prompt_logprobs' is not supported by this server yet", param="prompt_logprobs")
     if body.get("echo"):
         raise APIError("'echo' is not supported", param="echo")
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
@@ -71,6 +75,14 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None) -> Sampl
         stop=stop,
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", (bool,), False),
         skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
+        logprobs=requested_logprobs(body, chat=chat),
+        repetition_penalty=get_field(body, "repetition_penalty", (int, float), 1.0),
+        presence_penalty=get_field(body, "presence_penalty", (int, float), 0.0),
+        frequency_penalty=get_field(body, "frequency_penalty", (int, float), 0.0),
+        min_p=get_field(body, "min_p", (int, float), 0.0),
+        logit_bias=get_field(body, "logit_bias", (dict,), None),
+        allowed_token_ids=get_field(body, "allowed_token_ids", (list,), None),
+        bad_words=get_field(body, "bad_words", (list,), None),
     )
     try:
         return SamplingParams(**kwargs)
@@ -87,6 +99,32 @@ class Usage:
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def completion_logprobs(logprobs, token_ids: list[int], tokenizer) -> dict | None:
+    """The legacy completions `logprobs` object for one delta."""
+    if logprobs is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(token_ids)
+    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, logprobs)],
+            "top_logprobs": [{x.decoded_token: x.logprob for x in e.values()} for e in logprobs],
+            "text_offset": []}
+
+
+def chat_logprobs(logprobs, token_ids: list[int], k: int) -> dict | None:
+    """The chat `logprobs` object for one delta: `content` entries with `top_logprobs`."""
+    if logprobs is None:
+        return None
+
+    def item(lp):
+        tok = lp.decoded_token or ""
+        return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace"))}
+
+    content = []
+    for t, e in zip(token_ids, logprobs):
+        top = sorted((x for x in e.values() if x.rank is not None and x.rank <= k), key=lambda x: x.rank)
+        content.append({**item(e[t]), "top_logprobs": [item(x) for x in top[:k]]})
+    return {"content": content}
 
 
 def new_id(prefix: str) -> str:

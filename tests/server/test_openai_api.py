@@ -189,3 +189,26 @@ def test_disconnects_abort_and_free_blocks(live_server):
         time.sleep(0.1)
     assert not live_server.engine.engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+def test_logprobs_and_sampling_fields_over_http(live_server):
+    c = client(live_server)
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                             extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) >= 2 for t in lp.top_logprobs)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+                                     temperature=0, logprobs=True, top_logprobs=3, presence_penalty=0.5,
+                                     frequency_penalty=0.2, logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(x.top_logprobs) == 3 for x in content)
+    assert chat.choices[0].message.content.split() == ["w74"] * 3  # id 77 is "w74"; the bias forces it
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+                                       temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    streamed = [x for ch in stream if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert len(streamed) == 3
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=50)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"min_p": 3})
