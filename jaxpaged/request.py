@@ -53,6 +53,8 @@ class Request:
     processor_rows: tuple | None = None
     # Logprob information of each generated token: (logprob, rank, top ids, top logprobs).
     output_logprobs: list = field(default_factory=list)
+    # Prompt logprob rows (token, logprob, rank, top ids, top logprobs) for prompt positions 1.. so far.
+    prompt_logprob_rows: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -53,7 +53,8 @@ def _draw(x: Float[Array, "S V"], meta: SamplingMetadata) -> Int[Array, "S"]:
     return reference_top_k_top_p_sampling(scaled, keys, jnp.where(greedy, 0.0, 1.0), meta.top_k, meta.top_p)
 
 
-def _logprobs(source: Float[Array, "S V"], tokens: Int[Array, "S"]):
+def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
+    """Log-probability and rank of `tokens` under `source` logits, and the top MAX_LOGPROBS alternatives."""
     lsm = jax.nn.log_softmax(source.astype(jnp.float32), axis=-1)
     tok = jnp.take_along_axis(lsm, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lsm > tok[:, None], axis=-1).astype(jnp.int32) + 1
@@ -72,6 +73,6 @@ def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetad
     s = logits.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
             jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
-    lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(meta.num_logprobs >= 0), _logprobs,
+    lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(meta.num_logprobs >= 0), token_logprobs,
                                              lambda *_: none, source, tokens)
     return SamplerOutput(tokens, lp, rank, top_ids, top_lp)

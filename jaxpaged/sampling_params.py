@@ -28,6 +28,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k alternatives per generated token (0: only the sampled token)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output
     presence_penalty: float = 0.0  # subtracted once from tokens already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
@@ -66,6 +67,10 @@ class SamplingParams:
             self._check_int("logprobs", minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", minimum=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         self._check_float("repetition_penalty", lo=0.0, lo_open=True)
         self._check_float("presence_penalty", lo=-2.0, hi=2.0)
         self._check_float("frequency_penalty", lo=-2.0, hi=2.0)

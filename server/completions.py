@@ -5,7 +5,16 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.state import STATE
-from server.protocol import APIError, Usage, completion_logprobs, get_field, new_id, now, sampling_params_from
+from server.protocol import (
+    APIError,
+    Usage,
+    completion_logprobs,
+    get_field,
+    new_id,
+    now,
+    prompt_logprobs_json,
+    sampling_params_from,
+)
 from server.streaming import SSEWriter, merged, start_all
 
 
@@ -51,6 +60,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     tokens = [[[] for _ in range(n)] for _ in prompts]
     logprobs = [[[] for _ in range(n)] for _ in prompts]
     tok = state.engine.tokenizer
+    prompt_lps: list = [None] * len(prompts)
     completion_tokens = 0
 
     def chunk(choices):
@@ -61,6 +71,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if sse:
         await sse.start()
     async for i, out in merged(gens):
+        if out.prompt_logprobs is not None:
+            prompt_lps[i] = prompt_logprobs_json(out.prompt_logprobs)
         choices = []
         for o in out.outputs:
             completion_tokens += len(o.token_ids)
@@ -83,6 +95,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return await sse.done()
     want_lp = params.logprobs is not None
     choices = [{"index": i * n + j, "text": texts[i][j], "finish_reason": finish[i][j],
-                "logprobs": completion_logprobs(logprobs[i][j], tokens[i][j], tok) if want_lp else None}
+                "logprobs": completion_logprobs(logprobs[i][j], tokens[i][j], tok) if want_lp else None,
+                "prompt_logprobs": prompt_lps[i]}
                for i in range(len(prompts)) for j in range(n)]
     return web.json_response({**chunk(choices), "usage": usage.to_dict()})

@@ -54,8 +54,6 @@ def requested_logprobs(body: dict, *, chat: bool) -> int | None:
 
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    if body.get("prompt_logprobs") is not None:
-        raise APIError("'prompt_logprobs' is not supported by this server yet", param="prompt_logprobs")
     if body.get("echo"):
         raise APIError("'echo' is not supported", param="echo")
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
@@ -76,6 +74,7 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bo
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", (bool,), False),
         skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
         logprobs=requested_logprobs(body, chat=chat),
+        prompt_logprobs=get_field(body, "prompt_logprobs", (int,), None),
         repetition_penalty=get_field(body, "repetition_penalty", (int, float), 1.0),
         presence_penalty=get_field(body, "presence_penalty", (int, float), 0.0),
         frequency_penalty=get_field(body, "frequency_penalty", (int, float), 0.0),
@@ -109,6 +108,14 @@ def completion_logprobs(logprobs, token_ids: list[int], tokenizer) -> dict | Non
     return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, logprobs)],
             "top_logprobs": [{x.decoded_token: x.logprob for x in e.values()} for e in logprobs],
             "text_offset": []}
+
+
+def prompt_logprobs_json(entries) -> list | None:
+    """vLLM's `prompt_logprobs` in JSON: null, then {token_id: {logprob, rank, decoded_token}} per token."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": x.decoded_token}
+                                    for t, x in e.items()} for e in entries]
 
 
 def chat_logprobs(logprobs, token_ids: list[int], k: int) -> dict | None:

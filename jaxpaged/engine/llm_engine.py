@@ -240,8 +240,11 @@ class LLMEngine:
         prompt_tokens = sum(
             max(0, min(s.request.num_computed_tokens + s.num_new_tokens, len(s.request.prompt_token_ids))
                 - s.request.num_computed_tokens) for s in out.scheduled)
-        result = self.runner.execute(out)
+        result, prompt_lp = self.runner.execute(out)
         for i, s in enumerate(out.scheduled):
+            rows = prompt_lp[i] if prompt_lp else None
+            if rows and s.request.num_computed_tokens == len(s.request.prompt_logprob_rows):  # not a recompute
+                s.request.prompt_logprob_rows.extend(rows)
             k = s.request.sampling_params.logprobs
             if k is not None and s.samples:
                 s.request.output_logprobs.append((float(result.logprob[i]), int(result.rank[i]),
@@ -322,6 +325,20 @@ class LLMEngine:
             entries.append(entry)
         return {"logprobs": entries, "cumulative_logprob": float(sum(e[0] for e in req.output_logprobs))}
 
+    def _prompt_logprobs(self, req: Request) -> list | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then {token_id: Logprob} per token."""
+        k = req.sampling_params.prompt_logprobs
+        if k is None or len(req.prompt_logprob_rows) < len(req.prompt_token_ids) - 1:
+            return None
+        decode = self.tokenizer.convert_ids_to_tokens
+        entries: list = [None]
+        for tok, lp, rank, top_ids, top_lps in req.prompt_logprob_rows:
+            entry = {int(t): Logprob(float(v), r + 1, decode(int(t))) for r, (t, v) in
+                     enumerate(zip(top_ids[:k], top_lps[:k]))}
+            entry[tok] = Logprob(lp, rank, decode(tok))
+            entries.append(entry)
+        return entries
+
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
         outputs = [
@@ -335,4 +352,5 @@ class LLMEngine:
             del self._parents[parent_id]
             for s in parent.sequences:
                 self._child_to_parent.pop(s.request.request_id, None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             prompt_logprobs=self._prompt_logprobs(parent.sequences[0].request))

@@ -25,7 +25,8 @@ from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket, token_buckets
 from jaxpaged.runner.step_input import StepGeometry, StepInput, build_step_input, row_order
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
-from jaxpaged.sampler import SamplerOutput, sample
+from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
+from jaxpaged.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,17 @@ def _step(graphdef, logprobs_mode, state, kv_pool, row_state: RowState, inp: Ste
     row_state = update_row_state(row_state, inp.sampling.processors, inp.token_ids)
     hidden, kv_pool = model(inp.token_ids, kv_pool, inp.attn)
     logits = model.compute_logits(hidden[inp.logits_indices])  # [S, V]
-    return kv_pool, row_state, sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode)
+    out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode)
+    return kv_pool, row_state, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
+
+
+def prompt_logprobs(model, hidden, next_ids):
+    """Logprob information of each fed prompt token's successor [T]; all logits only if some row asks."""
+    t = hidden.shape[0]
+    none = (jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
+    compute = lambda h, ids: token_logprobs(model.compute_logits(h), jnp.maximum(ids, 0))  # noqa: E731
+    return jax.lax.cond(jnp.any(next_ids >= 0), compute, lambda *_: none, hidden, next_ids)
 
 
 class SlotTable:
@@ -157,8 +168,9 @@ class ModelRunner:
                 self.row_state = self._write_rows(self.row_state, np.int32(slot), bias, min_mask)
         return reset
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run one step; returns the sampler output per scheduled request (in `out.scheduled` order), numpy."""
+    def execute(self, out: SchedulerOutput) -> tuple[SamplerOutput, list | None]:
+        """Run one step, in `out.scheduled` order (numpy): the sampler output, and per request its prompt
+        logprob rows (logprob, rank, top ids, top logprobs for each fed token) or None."""
         num_tokens = out.total_num_scheduled_tokens
         t = pick_token_bucket(self.buckets, num_tokens)
         order = row_order(out)
@@ -170,8 +182,24 @@ class ModelRunner:
                 raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
             step = self._jitted
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
-            self.kv_pool, self.row_state, result = step(self.state, self.kv_pool, self.row_state, inp)
+            self.kv_pool, self.row_state, result, prompt_lp = step(self.state, self.kv_pool, self.row_state, inp)
             result = jax.device_get(result)
         inverse = np.empty(len(order), np.int64)
         inverse[order] = np.arange(len(order))
-        return jax.tree.map(lambda x: x[inverse], result)
+        return jax.tree.map(lambda x: x[inverse], result), self._split_prompt_logprobs(out, order, inp, prompt_lp)
+
+    @staticmethod
+    def _split_prompt_logprobs(out: SchedulerOutput, order: list[int], inp: StepInput, prompt_lp):
+        if not (inp.next_prompt_ids >= 0).any():
+            return None
+        lp, rank, top_ids, top_lp = jax.device_get(prompt_lp)
+        per_request: list = [None] * len(out.scheduled)
+        t = 0
+        for j in order:
+            n = out.scheduled[j].num_new_tokens
+            rows = [r for r in range(t, t + n) if inp.next_prompt_ids[r] >= 0]
+            if rows:
+                per_request[j] = [(int(inp.next_prompt_ids[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
+                                  for r in rows]
+            t += n
+        return per_request

@@ -22,6 +22,7 @@ class StepInput:
     token_ids: Int[Array, "T"]
     attn: AttentionMetadata
     logits_indices: Int[Array, "S"]  # flat index of each sequence's last scheduled token
+    next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
     sampling: SamplingMetadata
 
 
@@ -77,6 +78,7 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
     seeds = np.zeros(num_seqs, np.uint32)
     steps = np.zeros(num_seqs, np.int32)
     num_logprobs = np.full(num_seqs, -1, np.int32)
+    next_prompt_ids = np.full(num_tokens, -1, np.int32)
     token_slot = np.full(num_tokens, num_slots, np.int32)
     token_is_output = np.zeros(num_tokens, bool)
     row_slot = np.zeros(num_seqs, np.int32)
@@ -108,6 +110,9 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
         temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
         seeds[i], steps[i] = req.seed, req.num_output_tokens
         num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
+        if p.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids):
+            stop = min(start + n, len(req.prompt_token_ids) - 1)  # positions whose next token is a prompt token
+            next_prompt_ids[t - n : t - n + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
         slot = slots[req.request_id]
         token_slot[t - n : t] = slot
         token_is_output[t - n : t] = pos >= len(req.prompt_token_ids)
@@ -122,6 +127,7 @@ def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: 
                                decode_context_lens=decode_context_lens, seq_context_lens=seq_context_lens,
                                continuation_rows=continuation_rows, block_tables=block_tables),
         logits_indices=logits_indices,
+        next_prompt_ids=next_prompt_ids,
         sampling=SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, num_logprobs=num_logprobs,
             processors=ProcessorInputs(

@@ -97,3 +97,22 @@ def test_stop_strings_across_token_boundaries(llm):
     longer = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                    stop=["never appears"]), use_tqdm=False)[0].outputs[0]
     assert longer.text == base.text and longer.finish_reason == "length"
+
+
+def test_prompt_logprobs_match_hf_also_in_chunks(tiny_model_dir, hf):
+    import torch
+
+    prompt = list(np.random.default_rng(5).integers(3, 256, size=40))
+    prompt = [int(x) for x in prompt]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()  # [P, V]
+    chunked = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=16)
+    out = chunked.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for pos in range(1, len(prompt)):
+        entry, row = plp[pos], ref[pos - 1]
+        assert entry[prompt[pos]].logprob == pytest.approx(row[prompt[pos]], abs=1e-4)
+        assert entry[prompt[pos]].rank == int((row > row[prompt[pos]]).sum()) + 1
+        assert set(np.argsort(-row)[:3].tolist()) <= set(entry)

@@ -212,3 +212,10 @@ def test_logprobs_and_sampling_fields_over_http(live_server):
         c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=50)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"min_p": 3})
+
+
+def test_prompt_logprobs_over_http(live_server):
+    r = client(live_server).completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                               extra_body={"prompt_logprobs": 1})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 5 and all(v["logprob"] <= 0 for e in plp[1:] for v in e.values())
