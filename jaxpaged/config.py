@@ -154,7 +154,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max_len}")
-        max_tokens = self.max_num_batched_tokens or (2048 if gpu else 512)
+        max_tokens = self.max_num_batched_tokens or (2048 if gpu else 1024)
         if not self.enable_chunked_prefill:
             max_tokens = max(max_tokens, max_model_len)
         return SchedulerConfig(
