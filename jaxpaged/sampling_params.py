@@ -27,6 +27,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # honoured by slow tokenizers; fast ones space by their decoder
     logprobs: int | None = None  # top-k alternatives per generated token (0: only the sampled token)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output

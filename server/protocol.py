@@ -73,6 +73,7 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bo
         stop=stop,
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", (bool,), False),
         skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
+        spaces_between_special_tokens=get_field(body, "spaces_between_special_tokens", (bool,), True),
         logprobs=requested_logprobs(body, chat=chat),
         prompt_logprobs=get_field(body, "prompt_logprobs", (int,), None),
         repetition_penalty=get_field(body, "repetition_penalty", (int, float), 1.0),

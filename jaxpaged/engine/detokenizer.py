@@ -11,16 +11,19 @@ class IncrementalDetokenizer:
     A delta that ends in an incomplete UTF-8 sequence is held back until the next token.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = list(prompt_token_ids[-6:])  # context for the first output tokens
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; returns the new text they complete (possibly empty)."""

@@ -159,7 +159,8 @@ class LLMEngine:
                           eos_token_ids=self.config.model_config.eos_token_ids,
                           processor_rows=self._processor_rows(params))
             parent.sequences.append(_Sequence(req, IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)))
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)))
             self._child_to_parent[child_id] = request_id
             self.scheduler.add_request(req)
         self._parents[request_id] = parent

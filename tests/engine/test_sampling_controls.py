@@ -116,3 +116,11 @@ def test_prompt_logprobs_match_hf_also_in_chunks(tiny_model_dir, hf):
         assert entry[prompt[pos]].logprob == pytest.approx(row[prompt[pos]], abs=1e-4)
         assert entry[prompt[pos]].rank == int((row > row[prompt[pos]]).sum()) + 1
         assert set(np.argsort(-row)[:3].tolist()) <= set(entry)
+
+
+def test_skip_special_tokens(llm):
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={2: 100.0})  # EOS (</s>) every step
+    shown = llm.generate([PROMPT], SamplingParams(**forced, skip_special_tokens=False), use_tqdm=False)[0]
+    hidden = llm.generate([PROMPT], SamplingParams(**forced), use_tqdm=False)[0]
+    assert shown.outputs[0].token_ids == [2, 2, 2] == hidden.outputs[0].token_ids
+    assert shown.outputs[0].text.split() == ["</s>"] * 3 and hidden.outputs[0].text.strip() == ""
