@@ -116,7 +116,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     compile_guard: bool = False
     logprobs_mode: str = "raw_logprobs"  # logprobs from the raw model output, or "processed_logprobs"

@@ -81,6 +81,13 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether this request may share cached blocks: not when it needs every prompt position computed
+        (prompt_logprobs) or its fed-token history (penalties count the tokens the step is fed)."""
+        p = self.sampling_params
+        return p.prompt_logprobs is None and not p.needs_penalties
+
 
 @dataclass
 class Logprob:

@@ -1,22 +1,32 @@
-"""Physical KV blocks: ref counts and an LRU queue of free blocks.
+"""Physical KV blocks: ref counts, an LRU queue of free blocks, and the prefix cache.
 
 Block 0 is the null block: it is never handed out, and padding in block tables points at it.
+A full block can be cached under a hash chained from its parent's: freed, it keeps its contents and
+hash and stays findable until the pool hands it out again (lazy eviction, LRU order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
+    """Hash of a full block, chained from its parent's (tests replace this to force collisions)."""
+    h = hashlib.blake2b(repr((parent_hash, tuple(token_ids), extra)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
 
 
 class KVCacheBlock:
     """One physical block of the pool. `prev_free`/`next_free` thread it into the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_tokens", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None  # set once the block is full and cached (prefix caching)
+        self.block_tokens: tuple[int, ...] | None = None  # its tokens, to rule out hash collisions
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -73,6 +83,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # held forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
 
     @property
     def num_blocks(self) -> int:
@@ -90,10 +101,26 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             assert b.ref_cnt == 0
-            b.block_hash = None
+            self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = block.block_tokens = None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash, block.block_tokens = block_hash, tokens
+            self.cached[block_hash] = block
+
+    def get_cached_block(self, block_hash: int, tokens: tuple[int, ...]) -> KVCacheBlock | None:
+        """The cached block with this hash whose tokens are exactly `tokens`, if any."""
+        b = self.cached.get(block_hash)
+        return b if b is not None and b.block_tokens == tokens else None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a holder to each block (sharing); a free block leaves the free queue."""
@@ -110,6 +137,12 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        for b in list(self.cached.values()):
+            b.block_hash = b.block_tokens = None
+        self.cached.clear()
 
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""

@@ -157,14 +157,19 @@ class Scheduler:
             return out  # no admissions in a step that had to preempt
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting.peek()
-            n = req.num_tokens - req.num_computed_tokens
+            hits = self.kv.get_computed_blocks(req)
+            num_cached = len(hits) * self.kv.block_size
+            n = req.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if self.kv.allocate_slots(req, n) is None:
+            if self.kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.pop()
+            self.kv.num_queried_tokens += req.num_tokens
+            self.kv.num_hit_tokens += num_cached
+            req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))

@@ -90,7 +90,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         sc, cc = config.scheduler_config, config.cache_config
-        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size)
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
+                                               enable_prefix_caching=cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self.runner = ModelRunner(config, model)
         self.warmup_seconds = self.runner.warmup()
@@ -298,6 +299,8 @@ class LLMEngine:
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(generated)
         m.preemptions.inc(len(out.preempted_ids))
+        m.prefix_queries.inc(kv.num_queried_tokens - m.prefix_queries._value.get())
+        m.prefix_hits.inc(kv.num_hit_tokens - m.prefix_hits._value.get())
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
         m.kv_usage.set(kv.usage())

@@ -30,6 +30,7 @@ def check_invariants(s: Scheduler) -> None:
 actions = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30)),
+        st.tuples(st.just("add_shared"), st.integers(1, 40), st.integers(1, 30)),  # common prefix: cache hits
         st.tuples(st.just("step"), st.integers(0, 20), st.just(0)),
         st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
     ),
@@ -39,23 +40,26 @@ actions = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy):
+       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans())
+def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching):
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=10_000, policy=policy)
-    s = Scheduler(config, KVCacheManager(num_blocks, block_size))
+    s = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
     capacity = (num_blocks - 1) * block_size
     ids = 0
     for kind, a, b in actions:
-        if kind == "add":
+        if kind in ("add", "add_shared"):
             prompt_len, max_tokens = min(a, capacity - 1), b
             max_tokens = max(1, min(max_tokens, capacity - prompt_len))  # admission control as the engine does
-            s.add_request(Request(f"r{ids}", [5] * prompt_len, SamplingParams(max_tokens=max_tokens), seed=0,
+            prompt = list(range(prompt_len)) if kind == "add_shared" else [1000 + ids] * prompt_len
+            s.add_request(Request(f"r{ids}", prompt, SamplingParams(max_tokens=max_tokens), seed=0,
                                   priority=a % 3))
             ids += 1
         elif kind == "step":
             out = s.schedule()
             assert out.total_num_scheduled_tokens <= budget
             assert len(out.scheduled) <= config.max_num_seqs
+            for x in out.scheduled:  # the scheduled tokens fit the request's blocks
+                assert len(x.block_ids) * block_size >= x.request.num_computed_tokens + x.num_new_tokens
             s.update_from_output(out, [a + 3] * len(out.scheduled))
         elif ids:
             s.abort_requests([f"r{a % ids}"])

@@ -128,3 +128,23 @@ def test_compile_guard_fails_a_step_that_compiles(tiny_model_dir):
         with llm.engine.runner.guard.watch():
             jax.jit(lambda x: x * 3)(np.ones(7))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # a normal step stays quiet
+
+
+@pytest.mark.parametrize("budget", [128, 16])  # 16: prefix hits followed by chunked continuations
+def test_prefix_caching_gives_the_same_outputs(tiny_model_dir, budget):
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 256, size=40).tolist()
+    batch = [shared + rng.integers(3, 256, size=n).tolist() for n in (0, 1, 7, 16, 25)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=budget,
+                  enable_prefix_caching=caching)
+        first = llm.generate([shared + [9]], params, use_tqdm=False)  # fills the cache
+        outs = llm.generate(batch, params, use_tqdm=False)
+        results[caching] = [o.outputs[0].token_ids for o in first + outs]
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == 63
+        if caching:
+            assert kv.num_hit_tokens >= 5 * 32  # every batch prompt found at least two cached blocks
+    assert results[True] == results[False]
