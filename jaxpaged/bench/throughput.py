@@ -14,7 +14,7 @@ import logging
 import time
 
 
-from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload
+from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload, shared_prefix_workload
 from jaxpaged.config import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -31,23 +31,30 @@ def summarize(backend: str, reqs: list[BenchRequest], wall: float, warmup: float
     }
 
 
-def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs) -> dict:
-    """Generate the workload with `LLM.generate` (sampling at temperature 1, EOS ignored)."""
+def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged") -> dict:
+    """Generate the workload with `LLM.generate` (sampling at temperature 1, EOS ignored, n samples each)."""
     from jaxpaged import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
     warmup = time.perf_counter() - t0
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n)
+              for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params)
     wall = time.perf_counter() - t0
-    got = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert got == sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
+    got = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert got == n * sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
     eng = llm.engine
-    return summarize("jaxpaged", reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
-                     kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
-                     compile_s=eng.warmup_seconds)
+    kv = eng.kv_cache_manager
+    result = summarize(label, reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
+                       kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
+                       compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
+                       prefix_cache_queried_tokens=kv.num_queried_tokens)
+    if n > 1:  # every sample's tokens count as output
+        result["output_tokens"] *= n
+        result["output_tokens_per_s"] *= n
+    return result
 
 
 def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
@@ -85,7 +92,7 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    cols = [("backend", "{}"), ("requests_per_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
+    cols = [("backend", "{:>26}"), ("requests_per_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
             ("total_tokens_per_s", "{:.1f}"), ("wall_s", "{:.1f}"), ("warmup_s", "{:.1f}"),
             ("peak_kv_blocks_used", "{}")]
     print("\n" + " | ".join(f"{c:>20}" for c, _ in cols))
@@ -104,6 +111,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["jaxpaged", "hf"], default="jaxpaged")
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF static batching, print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max_num_seqs)")
+    p.add_argument("--shared-prefix", default=None, metavar="PREFIX:SUFFIX",
+                   help="shared-prefix workload: every prompt is one PREFIX-token prefix + a SUFFIX-token suffix "
+                        "(output length: the upper end of --output-len)")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run jaxpaged with prefix caching on and off, and print the ratio")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
     p.add_argument("--output-json", default="bench_results/throughput.json")
     EngineArgs.add_cli_args(p)
 
@@ -114,21 +127,38 @@ def main(ns: argparse.Namespace) -> list[dict]:
     engine_args = EngineArgs.from_cli_args(ns)
     engine_args.model = engine_args.model or default_model_path()
     tok = load_tokenizer(engine_args.tokenizer or engine_args.model)
-    reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), parse_range(ns.output_len),
-                                 len(tok), ns.seed, set(tok.all_special_ids))
+    if ns.shared_prefix:
+        prefix_len, suffix_len = parse_range(ns.shared_prefix)
+        reqs = shared_prefix_workload(ns.num_prompts, prefix_len, suffix_len, parse_range(ns.output_len)[1],
+                                      len(tok), ns.seed, set(tok.all_special_ids))
+    else:
+        reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), parse_range(ns.output_len),
+                                     len(tok), ns.seed, set(tok.all_special_ids))
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     if engine_args.max_model_len is None:
         engine_args.max_model_len = max(max_len, 128)
     results = []
+    if ns.compare_prefix_caching:
+        import dataclasses
+
+        for on in (True, False):
+            args = dataclasses.replace(engine_args, enable_prefix_caching=on)
+            results.append(run_jaxpaged(reqs, args, ns.n, f"jaxpaged prefix-cache {'on' if on else 'off'}"))
+        return _report(results, ns)
     backends = [ns.backend] + ([ns.compare] if ns.compare and ns.compare != ns.backend else [])
     for b in backends:
         if b == "jaxpaged":
-            results.append(run_jaxpaged(reqs, engine_args))
+            results.append(run_jaxpaged(reqs, engine_args, ns.n))
         else:
             bs = ns.hf_batch_size or engine_args.max_num_seqs or 64
             results.append(run_hf(reqs, engine_args.model, bs))
+    return _report(results, ns)
+
+
+def _report(results: list[dict], ns: argparse.Namespace) -> list[dict]:
     for r in results:
-        r.update(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed)
+        r.update(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed,
+                 shared_prefix=ns.shared_prefix)
     print_table(results)
     if ns.output_json:
         import os

@@ -33,3 +33,13 @@ def random_token_workload(num_prompts: int, input_len: tuple[int, int], output_l
         n_out = int(rng.integers(output_len[0], output_len[1] + 1))
         out.append(BenchRequest(rng.choice(allowed, size=n_in).tolist(), n_out))
     return out
+
+
+def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: int, output_len: int, vocab_size: int,
+                           seed: int, avoid_ids: set[int] = frozenset()) -> list[BenchRequest]:
+    """`num_prompts` requests that share one random `prefix_len`-token prefix and differ in a random suffix."""
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(avoid_ids, int, len(avoid_ids)))
+    prefix = rng.choice(allowed, size=prefix_len).tolist()
+    return [BenchRequest(prefix + rng.choice(allowed, size=suffix_len).tolist(), output_len)
+            for _ in range(num_prompts)]

@@ -148,3 +148,20 @@ def test_prefix_caching_gives_the_same_outputs(tiny_model_dir, budget):
         if caching:
             assert kv.num_hit_tokens >= 5 * 32  # every batch prompt found at least two cached blocks
     assert results[True] == results[False]
+
+
+def test_parallel_sampling_shares_the_prompt_blocks(tiny_model_dir):
+    prompt = np.random.default_rng(8).integers(3, 256, size=70).tolist()
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    peaks, texts = {}, {}
+    for caching in (True, False):
+        llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, enable_prefix_caching=caching)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+        assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # each child has its own seed stream
+        peaks[caching] = llm.engine.stats.peak_kv_blocks_used
+        texts[caching] = [o.token_ids for o in out.outputs]
+        assert llm.engine.kv_cache_manager.num_free_blocks == 63
+    assert texts[True] == texts[False]
+    # 70 prompt tokens = 4 full blocks + 6 tokens: shared, each child holds 4 shared + 1 own block
+    assert peaks[False] == 4 * 5 and peaks[True] == 4 + 4 * 1
