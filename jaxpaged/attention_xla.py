@@ -101,29 +101,51 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
 
 
 def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, seq_context_lens,
-                       continuation_rows, kv_chunk, sliding_window):
-    """Part C: for each continuation sequence, all its new tokens over its cached keys, gathered once."""
+                       continuation_rows, kv_chunk, sliding_window, *, window: int = 64):
+    """Part C: for each continuation sequence, its new tokens over its cached keys, each chunk gathered once.
+
+    A sequence's tokens are contiguous; they are visited in row windows of `window`, so the work is
+    about (its tokens) x (its context), not (all tokens) x (its context).
+    """
     t, kh, group, d = qg.shape
+    w = min(window, t)
     bpc = kv_chunk // kv_pool.shape[3]
     count = jnp.sum(continuation_rows >= 0)
+    pad = lambda x: jnp.pad(x, [(0, w)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731  windows never clamp
+    qg_p, seq_p, pos_p = pad(qg), jnp.pad(token_seq, (0, w), constant_values=-1), pad(positions)
+    rows_idx = jnp.arange(t)
 
     def seq_body(i, state):
         row = continuation_rows[i]
         table, ctx = block_tables[row], seq_context_lens[row]
-        mine = token_seq == row  # [T]
+        mine_all = token_seq == row
+        first = jnp.min(jnp.where(mine_all, rows_idx, t))
+        num_windows = (jnp.sum(mine_all) + w - 1) // w
 
-        def chunk_body(c, carry):
-            ids = jax.lax.dynamic_slice_in_dim(table, c * bpc, bpc)
-            k = kv_pool[layer, 0, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)  # [C, KH, D]
-            v = kv_pool[layer, 1, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)
-            key_pos = c * kv_chunk + jnp.arange(kv_chunk)
-            visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, positions, sliding_window)
-            s = jnp.einsum("tkgd,ckd->tkgc", qg, k)
-            return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,ckd->tkgd"))
+        def window_body(j, state):
+            start = first + j * w
+            q = jax.lax.dynamic_slice_in_dim(qg_p, start, w)
+            mine = jax.lax.dynamic_slice_in_dim(seq_p, start, w) == row
+            pos = jax.lax.dynamic_slice_in_dim(pos_p, start, w)
 
-        return jax.lax.fori_loop(0, (ctx + kv_chunk - 1) // kv_chunk, chunk_body, state)
+            def chunk_body(c, carry):
+                ids = jax.lax.dynamic_slice_in_dim(table, c * bpc, bpc)
+                k = kv_pool[layer, 0, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)  # [C, KH, D]
+                v = kv_pool[layer, 1, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)
+                key_pos = c * kv_chunk + jnp.arange(kv_chunk)
+                visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, pos, sliding_window)
+                s = jnp.einsum("tkgd,ckd->tkgc", q, k)
+                return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,ckd->tkgd"))
 
-    return jax.lax.fori_loop(0, count, seq_body, _empty_state(t, kh, group, d))
+            part = jax.lax.fori_loop(0, (ctx + kv_chunk - 1) // kv_chunk, chunk_body, _empty_state(w, kh, group, d))
+            cur = tuple(jax.lax.dynamic_slice_in_dim(x, start, w) for x in state)
+            merged = _merge(cur, part)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(x, m, start, axis=0) for x, m in zip(state, merged))
+
+        return jax.lax.fori_loop(0, num_windows, window_body, state)
+
+    state = jax.lax.fori_loop(0, count, seq_body, _empty_state(t + w, kh, group, d))
+    return tuple(x[:t] for x in state)
 
 
 def split_ragged_paged_attention(

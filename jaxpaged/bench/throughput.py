@@ -128,7 +128,8 @@ def main(ns: argparse.Namespace) -> list[dict]:
     engine_args.model = engine_args.model or default_model_path()
     tok = load_tokenizer(engine_args.tokenizer or engine_args.model)
     if ns.shared_prefix:
-        prefix_len, suffix_len = parse_range(ns.shared_prefix)
+        prefix, _, suffix = ns.shared_prefix.partition(":")
+        prefix_len, suffix_len = int(prefix), int(suffix or 0)
         reqs = shared_prefix_workload(ns.num_prompts, prefix_len, suffix_len, parse_range(ns.output_len)[1],
                                       len(tok), ns.seed, set(tok.all_special_ids))
     else:

@@ -9,7 +9,7 @@ from jaxpaged.attention_xla import split_ragged_paged_attention
 from pallas_kernels.paged_attention import reference_ragged_paged_attention
 
 
-def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, num_blocks=80, layers=2,
+def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, num_blocks=120, layers=2,
               dtype=jnp.float32):
     """seqs: list of (context_len, new_tokens), laid out as the runner does (decodes first, longest first)."""
     seqs = sorted(seqs, key=lambda s: (2 if s[0] == 0 else (0 if s[1] == 1 else 1), -s[0]))
@@ -51,6 +51,7 @@ CASES = {
     "mixed": [(40, 1), (31, 1), (20, 12), (0, 9)],  # a continuation chunk that starts mid-block
     "block boundary": [(15, 1), (16, 1), (32, 16), (0, 1)],
     "two continuations": [(9, 1), (20, 12), (47, 3), (0, 5)],
+    "long continuations": [(20, 70), (5, 1), (33, 66), (0, 3)],  # several 64-row windows per sequence
     "many decodes": [(c, 1) for c in (3, 90, 17, 33, 64, 1, 120, 48, 5, 77, 30)],  # more than one row group
 }
 
