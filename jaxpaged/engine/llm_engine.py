@@ -231,9 +231,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, and return outputs of requests that advanced or ended."""
         out = self.scheduler.schedule()
-        touched: dict[str, None] = dict.fromkeys(self._drain_ended())
         if out.is_empty:
-            return [self._make_output(pid) for pid in touched]
+            return []
+        touched: dict[str, None] = {}
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.first_scheduled_time is None:
@@ -267,10 +267,6 @@ class LLMEngine:
                 self._observe_finish(req, now)
             touched[parent_id] = None
         return [self._make_output(pid) for pid in touched]
-
-    def _drain_ended(self) -> list[str]:
-        """Parents whose every sequence ended outside a step (stop strings) and still owe a final output."""
-        return [pid for pid, p in self._parents.items() if p.finished]
 
     def _check_stop_strings(self, seq: _Sequence) -> None:
         req = seq.request
