@@ -37,8 +37,28 @@ class EngineMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish.")
         self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self._last_log = time.monotonic()
-        self._last_prompt = 0.0
-        self._last_gen = 0.0
+        self._totals = {"prompt": 0, "gen": 0, "queries": 0, "hits": 0}  # plain copies, for the log line
+        self._last_prompt = 0
+        self._last_gen = 0
+        self._running = self._waiting = 0
+        self._kv_usage = 0.0
+
+    def observe_step(self, *, prompt_tokens: int, generation_tokens: int, preemptions: int, running: int,
+                     waiting: int, kv_usage: float, prefix_queries_total: int, prefix_hits_total: int) -> None:
+        """Record one engine step (prefix-cache figures are the cache manager's running totals)."""
+        t = self._totals
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.preemptions.inc(preemptions)
+        self.prefix_queries.inc(prefix_queries_total - t["queries"])
+        self.prefix_hits.inc(prefix_hits_total - t["hits"])
+        t["prompt"] += prompt_tokens
+        t["gen"] += generation_tokens
+        t["queries"], t["hits"] = prefix_queries_total, prefix_hits_total
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        self._running, self._waiting, self._kv_usage = running, waiting, kv_usage
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
@@ -49,14 +69,13 @@ class EngineMetrics:
         now = time.monotonic()
         if now - self._last_log < interval_s:
             return
-        prompt = self.prompt_tokens._value.get()
-        gen = self.generation_tokens._value.get()
+        t = self._totals
+        prompt, gen, queries, hits = t["prompt"], t["gen"], t["queries"], t["hits"]
         dt = now - self._last_log
-        queries, hits = self.prefix_queries._value.get(), self.prefix_hits._value.get()
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, waiting: %d, "
             "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
-            (prompt - self._last_prompt) / dt, (gen - self._last_gen) / dt, self.running._value.get(),
-            self.waiting._value.get(), 100 * self.kv_usage._value.get(), 100 * hits / queries if queries else 0.0,
+            (prompt - self._last_prompt) / dt, (gen - self._last_gen) / dt, self._running, self._waiting,
+            100 * self._kv_usage, 100 * hits / queries if queries else 0.0,
         )
         self._last_log, self._last_prompt, self._last_gen = now, prompt, gen

@@ -292,14 +292,9 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_prompt_tokens += prompt_tokens
         self.stats.num_generation_tokens += generated
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(generated)
-        m.preemptions.inc(len(out.preempted_ids))
-        m.prefix_queries.inc(kv.num_queried_tokens - m.prefix_queries._value.get())
-        m.prefix_hits.inc(kv.num_hit_tokens - m.prefix_hits._value.get())
-        m.running.set(self.scheduler.num_running)
-        m.waiting.set(self.scheduler.num_waiting)
-        m.kv_usage.set(kv.usage())
+        m.observe_step(prompt_tokens=prompt_tokens, generation_tokens=generated, preemptions=len(out.preempted_ids),
+                       running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
+                       prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens)
         m.maybe_log()
 
     def _observe_token(self, req: Request, now: float) -> None:

@@ -219,3 +219,24 @@ def test_prompt_logprobs_over_http(live_server):
                                                extra_body={"prompt_logprobs": 1})
     plp = r.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == 5 and all(v["logprob"] <= 0 for e in plp[1:] for v in e.values())
+
+
+def test_metrics_count_what_was_served(live_server):
+    long_prompt = " ".join(f"w{i}" for i in range(10, 50))  # 40 tokens: two full blocks to find in the cache
+    for _ in range(2):
+        client(live_server).completions.create(model="tiny", prompt=long_prompt, max_tokens=3,
+                                               extra_body={"ignore_eos": True})
+
+    async def scrape():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(live_server.base_url + "/metrics") as r:
+                return await r.text()
+    values = {}
+    for line in asyncio.run(scrape()).splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["jaxpaged:generation_tokens_total"] >= 3
+    assert values["jaxpaged:prompt_tokens_total"] >= 40
+    assert values['jaxpaged:request_success_total{finished_reason="length"}'] >= 1
+    assert values["jaxpaged:prefix_cache_queries_total"] >= values["jaxpaged:prefix_cache_hits_total"] > 0
