@@ -5,22 +5,33 @@ The pool holds every layer: kv_pool[layer, 0] is K and kv_pool[layer, 1] is V, e
 context is read through `block_tables[token_seq[t]]`; it sees keys at positions <= positions[t]
 (causal within new tokens, the whole cached prefix before them).
 
-This file holds the plain-JAX reference. It never copies a layer of the pool: it gathers only
-the blocks it reads, a chunk of context at a time, with an online softmax, and stops after the
-longest context in the batch (a dynamic trip count, so context length needs no shape bucket).
+Two implementations with one meaning:
+
+- `ragged_paged_attention`: the Pallas kernel, written for Pallas' Triton lowering. The batch is cut
+  into query tiles, each a few consecutive tokens of one sequence times the query heads that share
+  a KV head (so a decode row still fills a 16-row tile when heads are grouped). One program per
+  (tile, KV head) walks its sequence's blocks up to the tile's last position with an online softmax
+  in float32. Ragged by construction: no per-sequence padding, prefill chunks and decodes mixed.
+- `reference_ragged_paged_attention`: plain JAX. It never copies a layer of the pool: it gathers
+  only the blocks it reads, a chunk of context at a time, and stops after the longest context in the
+  batch (a dynamic trip count, so context length needs no shape bucket).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 
 _MASKED = -1e30
 
 
-def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, kv_chunk: int) -> None:
+def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, kv_chunk: int | None = None) -> None:
     """Raise ValueError on shapes or dtypes the attention cannot take."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
@@ -38,7 +49,17 @@ def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, k
         raise ValueError(f"token_seq and positions must be [T={t}], got {token_seq.shape}, {positions.shape}")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [S, B], got shape {block_tables.shape}")
-    if kv_chunk % block_size or (block_tables.shape[1] * block_size) % kv_chunk:
+    for name, a in (("block_tables", block_tables), ("token_seq", token_seq), ("positions", positions)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {a.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q and kv_pool must be float32, bfloat16 or float16, got {q.dtype}")
+    if not isinstance(positions, jax.core.Tracer) and positions.size:  # a value check where values are known
+        span = block_tables.shape[1] * block_size
+        if int(jnp.max(positions)) >= span:
+            raise ValueError(f"block_tables has {block_tables.shape[1]} blocks per sequence ({span} tokens), "
+                             f"too short for position {int(jnp.max(positions))}")
+    if kv_chunk is not None and (kv_chunk % block_size or (block_tables.shape[1] * block_size) % kv_chunk):
         raise ValueError(
             f"kv_chunk ({kv_chunk}) must be a multiple of block_size ({block_size}) and divide the table "
             f"span ({block_tables.shape[1]} blocks)"
@@ -96,3 +117,155 @@ def reference_ragged_paged_attention(
         start = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // kv_chunk
     _, l, acc = jax.lax.fori_loop(start, num_chunks, body, init)
     return (acc / l[..., None]).reshape(t, h, d).astype(q.dtype)
+
+
+def query_tiles(token_seq: Int[Array, "T"], block_q: int, num_tiles: int):
+    """Cut the token rows into tiles of <= block_q consecutive tokens of one sequence.
+
+    Returns (tile_start, tile_len), each [num_tiles]; unused tiles have length 0. Padding tokens
+    (token_seq < 0) belong to no tile. Each sequence's tokens must be one contiguous run of rows (in
+    any order of positions); then num_tiles = cdiv(T, block_q) + min(S, T) always suffices.
+    """
+    t = token_seq.shape[0]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    valid = token_seq >= 0
+    prev = jnp.concatenate([jnp.full((1,), -2, token_seq.dtype), token_seq[:-1]])
+    nxt = jnp.concatenate([token_seq[1:], jnp.full((1,), -2, token_seq.dtype)])
+    run_first = jax.lax.cummax(jnp.where(valid & (token_seq != prev), idx, 0))
+    run_end = jax.lax.cummin(jnp.where(valid & (token_seq != nxt), idx + 1, t), reverse=True)
+    is_start = valid & ((idx - run_first) % block_q == 0)
+    (start,) = jnp.nonzero(is_start, size=num_tiles, fill_value=t)
+    start = start.astype(jnp.int32)
+    length = jnp.where(start < t, jnp.minimum(block_q, run_end[jnp.minimum(start, t - 1)] - start), 0)
+    return start, length.astype(jnp.int32)
+
+
+def _ragged_paged_attention_kernel(
+    tile_start_ref, tile_len_ref, token_seq_ref, positions_ref, tables_ref, layer_ref, q_ref, pool_ref,  # inputs
+    o_ref,  # output
+    *, block_q: int, group_pad: int, sm_scale: float, sliding_window: int | None,
+):
+    """One program: query tile pl.program_id(0) (block_q tokens x group_pad heads) of KV head pl.program_id(1)."""
+    tile, head = pl.program_id(0), pl.program_id(1)
+    rows = block_q * group_pad
+    block_size = pool_ref.shape[3]
+    start, length = tile_start_ref[tile], tile_len_ref[tile]
+
+    @pl.when(length > 0)
+    def _():
+        seq = token_seq_ref[start]
+        layer = layer_ref[0]
+        row_token = start + jax.lax.iota(jnp.int32, rows) // group_pad  # [M]
+        row_valid = row_token < start + length
+        pos = jnp.where(row_valid, positions_ref[row_token], -1)  # [M]; -1: sees nothing
+        q = q_ref[head, pl.ds(start * group_pad, rows), :]  # [M, D]
+        last = jnp.max(pos)
+        first_block = 0
+        if sliding_window is not None:
+            lowest = jnp.min(jnp.where(row_valid, pos, last))
+            first_block = jnp.maximum(lowest - sliding_window + 1, 0) // block_size
+
+        def body(b, carry):
+            m, l, acc = carry  # [M], [M], [M, D]
+            blk = tables_ref[seq, b]
+            k = pool_ref[layer, 0, blk, :, head, :]  # [bs, D]
+            v = pool_ref[layer, 1, blk, :, head, :]
+            s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [M, bs]
+            key_pos = b * block_size + jax.lax.iota(jnp.int32, block_size)
+            visible = key_pos[None, :] <= pos[:, None]
+            if sliding_window is not None:
+                visible &= key_pos[None, :] > pos[:, None] - sliding_window
+            s = jnp.where(visible, s, _MASKED)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            l = l * corr + jnp.sum(p, axis=1)
+            acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+            return m_new, l, acc
+
+        init = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, q.shape[-1]), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(first_block, last // block_size + 1, body, init)
+        out = acc / jnp.maximum(l, 1e-30)[:, None]
+        plgpu.store(o_ref.at[head, pl.ds(start * group_pad, rows), :], out.astype(o_ref.dtype),
+                    mask=row_valid[:, None])
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T H D"],
+    kv_pool: Float[Array, "L 2 N bs KH D"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "S B"],
+    token_seq: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    block_m: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> Float[Array, "T H D"]:
+    """Pallas (Triton) ragged paged attention; same meaning as `reference_ragged_paged_attention`.
+
+    Args:
+      q: [T, H, D] queries of the step's tokens; H = KH * group; D a power of two >= 16.
+      kv_pool: [L, 2, N, block_size, KH, D] all layers' K (index 0) and V (index 1); block_size >= 16
+        and a power of two. The step's own K/V must already be written (see `write_kv`).
+      layer: [] which layer of the pool to read.
+      block_tables: [S, B] physical block ids of each sequence's logical blocks.
+      token_seq: [T] sequence of each token, -1 for padding (its output row is zero). A sequence's
+        tokens are one contiguous run of rows (positions within it in any order).
+      positions: [T] each token's position; it sees keys at positions <= its own.
+      sm_scale: the softmax scale (static). sliding_window: keys within this many positions (static).
+      block_m: query rows per tile (tokens x padded group), a power of two >= 16.
+      interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
+    Returns [T, H, D] in q's dtype.
+    """
+    check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions)
+    if not isinstance(token_seq, jax.core.Tracer):
+        seqs = [int(s) for s in token_seq if s >= 0]
+        runs = [s for i, s in enumerate(seqs) if i == 0 or s != seqs[i - 1]]
+        if len(runs) != len(set(runs)):
+            raise ValueError("token_seq: each sequence's tokens must be one contiguous run of rows")
+    for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
+    return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
+                                   sliding_window=sliding_window, block_m=block_m, num_warps=num_warps,
+                                   num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_m", "num_warps", "num_stages",
+                                             "interpret"))
+def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, *, sm_scale, sliding_window,
+                            block_m, num_warps, num_stages, interpret):
+    t, h, d = q.shape
+    kh = kv_pool.shape[4]
+    group = h // kh
+    group_pad = pl.next_power_of_2(group)
+    block_q = max(1, block_m // group_pad)
+    rows = block_q * group_pad
+    num_tiles = pl.cdiv(t, block_q) + min(block_tables.shape[0], t)
+    token_seq = token_seq.astype(jnp.int32)
+    tile_start, tile_len = query_tiles(token_seq, block_q, num_tiles)
+    # Queries as [KH, T', group_pad, D] flattened to rows, so one tile's rows are contiguous; T' = T + block_q
+    # so a tile's load never runs past the end (the interpreter clamps out-of-range slices).
+    tp = t + block_q
+    qg = q.reshape(t, kh, group, d)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(kh, tp * group_pad, d)
+    pad_tok = lambda x, fill: jnp.pad(x, (0, block_q), constant_values=fill)  # noqa: E731
+    kernel = functools.partial(_ragged_paged_attention_kernel, block_q=block_q, group_pad=group_pad,
+                               sm_scale=sm_scale, sliding_window=sliding_window)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, kh),
+        out_shape=jax.ShapeDtypeStruct((kh, tp * group_pad, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_m{rows}",
+    )(tile_start, tile_len, pad_tok(token_seq, -1), pad_tok(positions.astype(jnp.int32), 0),
+      block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qg, kv_pool)
+    out = out.reshape(kh, tp, group_pad, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
+    return jnp.where((token_seq >= 0)[:, None, None], out, 0).astype(q.dtype)

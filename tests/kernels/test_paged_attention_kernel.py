@@ -1,0 +1,94 @@
+"""The Pallas ragged paged-attention kernel equals the plain-JAX reference (interpreter) and lowers for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.attention import write_kv
+from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
+from tests.kernels.attention_inputs import make_step
+
+LAYER = jnp.int32(1)
+
+# (context_len, new_tokens) per sequence; make_step adds three padding tokens.
+CASES = {
+    "edges": [(0, 1), (15, 1), (16, 1), (255, 1)],  # length 1, ends on a block boundary, one past, full table
+    "mixed": [(40, 1), (31, 1), (20, 12), (0, 9)],  # a prefill chunk that starts mid-block
+    "long prefill": [(7, 40), (0, 33), (3, 1)],  # several query tiles per sequence
+}
+
+
+def run_both(x, window=None, **kw):
+    pool = write_kv(x["pool"], LAYER, x["k"], x["v"], x["slots"])
+    ref = reference_ragged_paged_attention(x["q"], pool, LAYER, x["tables"], jnp.maximum(x["token_seq"], 0),
+                                           x["positions"], sm_scale=0.3, sliding_window=window, kv_chunk=32)
+    got = ragged_paged_attention(x["q"], pool, LAYER, x["tables"], x["token_seq"], x["positions"], sm_scale=0.3,
+                                 sliding_window=window, interpret=True, **kw)
+    n = x["real"]
+    assert got.dtype == x["q"].dtype
+    np.testing.assert_array_equal(np.asarray(got[n:], np.float32), 0.0)  # padding rows
+    return np.asarray(got[:n], np.float32), np.asarray(ref[:n], np.float32)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_kernel_matches_reference(case, group):
+    x = make_step(np.random.default_rng(group), CASES[case], group=group, kh=2, d=16)
+    got, ref = run_both(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d,block_size,window", [(64, 16, None), (128, 32, None), (64, 32, 20)])
+def test_kernel_head_dims_block_sizes_window(d, block_size, window):
+    x = make_step(np.random.default_rng(d), CASES["mixed"], group=3, kh=1, d=d, block_size=block_size,
+                  table_width=8, num_blocks=24)
+    got, ref = run_both(x, window)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_bfloat16():
+    x = make_step(np.random.default_rng(5), CASES["mixed"], group=4, kh=2, d=64, table_width=8, num_blocks=24,
+                  dtype=jnp.bfloat16)
+    got, ref = run_both(x)
+    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)  # P is rounded to bf16 before the P.V matmul
+
+
+def test_any_order_of_sequences_and_of_positions_within_one():
+    x = make_step(np.random.default_rng(7), CASES["long prefill"], group=2, d=16)
+    rng, seq = np.random.default_rng(8), np.asarray(x["token_seq"])
+    runs = [rng.permutation(np.flatnonzero(seq == s)) for s in rng.permutation(seq.max() + 1)]
+    perm = np.concatenate(runs + [np.arange(x["real"], x["q"].shape[0])])
+    x.update(q=x["q"][perm], k=x["k"][perm], v=x["v"][perm], token_seq=x["token_seq"][perm],
+             positions=x["positions"][perm], slots=x["slots"][perm])
+    got, ref = run_both(x, block_m=32)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_name_the_problem():
+    x = make_step(np.random.default_rng(0), [(3, 2)], group=2, d=16)
+    args = (x["q"], x["pool"], LAYER, x["tables"], x["token_seq"], x["positions"])
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        ragged_paged_attention(x["q"][:, :3], *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        ragged_paged_attention(x["q"].astype(jnp.bfloat16), *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="one contiguous run"):
+        ragged_paged_attention(*args[:4], jnp.array([0, 1, 0, -1, -1], jnp.int32), x["positions"], sm_scale=1.0)
+    with pytest.raises(ValueError, match="too short for position"):
+        ragged_paged_attention(*args[:3], x["tables"][:, :1], x["token_seq"], x["positions"] + 20, sm_scale=1.0)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        q = jnp.zeros((4, 4, 24)); pool = jnp.zeros((1, 2, 4, 16, 2, 24))  # noqa: E702
+        ragged_paged_attention(q, pool, LAYER, x["tables"][:, :2], jnp.zeros(4, jnp.int32),
+                               jnp.zeros(4, jnp.int32), sm_scale=1.0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (32, 8, 128)])  # SmolLM2-135M, Llama-3-8B
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype):
+    spec = jax.ShapeDtypeStruct
+    t, s, table_width = 512, 64, 128
+    args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), dtype), spec((), jnp.int32),
+            spec((s, table_width), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
+    f = lambda *a: ragged_paged_attention(*a, sm_scale=d ** -0.5)  # noqa: E731
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
