@@ -8,6 +8,7 @@ import pytest
 from jaxpaged.attention import write_kv
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 from tests.kernels.attention_inputs import make_step
+from tests.kernels.cuda_lowering import lower_for_cuda
 
 LAYER = jnp.int32(1)
 
@@ -90,5 +91,5 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype):
     args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), dtype), spec((), jnp.int32),
             spec((s, table_width), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
     f = lambda *a: ragged_paged_attention(*a, sm_scale=d ** -0.5)  # noqa: E731
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     assert "triton" in text.lower()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
+from tests.kernels.cuda_lowering import lower_for_cuda
 from tests.kernels.test_sampling_reference import filtered_probs
 
 N = 20_000
@@ -80,5 +81,5 @@ def test_kernel_lowers_for_cuda(vocab):
     spec = jax.ShapeDtypeStruct
     args = (spec((64, vocab), jnp.float32), spec((64, 2), jnp.uint32), spec((64,), jnp.float32),
             spec((64,), jnp.int32), spec((64,), jnp.float32))
-    text = jax.jit(lambda *a: top_k_top_p_sampling(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(lambda *a: top_k_top_p_sampling(*a), *args)
     assert "triton" in text.lower()
