@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention_xla import split_ragged_paged_attention
+from pallas_kernels.paged_attention import ragged_paged_attention
 
 
 def write_kv(
@@ -38,15 +39,21 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     kv_chunk: int,
-    backend: str = "xla",
+    backend: str = "reference",
 ) -> Float[Array, "T H D"]:
     """Each token over its sequence's cached context (in the pool) and the step's new tokens, causally.
 
-    backend "xla": `split_ragged_paged_attention`, which expects decode tokens in the first rows,
-    longest context first; the runner lays steps out that way.
+    backend "reference": the plain-JAX `split_ragged_paged_attention`, which expects decode tokens in
+    the first rows, longest context first (the runner lays steps out that way); tests hold it equal to
+    `pallas_kernels.paged_attention.reference_ragged_paged_attention`. "pallas": the Triton kernel,
+    reading the new tokens' K/V from the pool (written just before); "pallas-interpret": the same
+    kernel through the Pallas interpreter (CPU tests).
     """
-    if backend != "xla":
-        raise ValueError(f"attention backend {backend!r} is not available (have: xla)")
+    if backend in ("pallas", "pallas-interpret"):
+        return ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
+                                      sliding_window=sliding_window, interpret=backend == "pallas-interpret")
+    if backend != "reference":
+        raise ValueError(f"attention backend {backend!r} is not one of reference, pallas, pallas-interpret")
     return split_ragged_paged_attention(
         q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, decode_context_lens,
         seq_context_lens, continuation_rows, sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,

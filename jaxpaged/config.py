@@ -80,6 +80,8 @@ class EngineConfig:
     compile_guard: bool = False  # raise if the jitted step compiles after warmup
     attention_chunk: int = 32  # context tokens per iteration of the XLA attention's decode loop
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties and biases)
+    attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
+    sampler_backend: str = "reference"  # resolved, as attention_backend
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -98,6 +100,18 @@ def parse_bytes(value: int | float | str) -> int:
 
 def platform_is_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+KERNEL_BACKENDS = ("auto", "pallas", "reference")
+
+
+def resolve_kernel_backend(name: str) -> str:
+    """auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; pallas off GPU runs the interpreter."""
+    if name == "auto":
+        name = "pallas" if platform_is_gpu() else "reference"
+    if name == "pallas" and not platform_is_gpu():
+        return "pallas-interpret"
+    return name
 
 
 @dataclass
@@ -120,6 +134,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     compile_guard: bool = False
     logprobs_mode: str = "raw_logprobs"  # logprobs from the raw model output, or "processed_logprobs"
+    attention_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
+    sampler_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -139,6 +155,9 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
+        for name in ("attention_backend", "sampler_backend"):
+            if getattr(self, name) not in KERNEL_BACKENDS:
+                raise ValueError(f"{name} must be one of {', '.join(KERNEL_BACKENDS)}; got {getattr(self, name)!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
@@ -175,6 +194,9 @@ class EngineArgs:
             default = f.default
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name in ("attention_backend", "sampler_backend"):
+                parser.add_argument(flag, choices=KERNEL_BACKENDS, default=default,
+                                    help="auto: the Pallas kernel on GPU, the plain-JAX path elsewhere")
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, default=None, help="KV pool size, e.g. 4GiB (default: 4GiB on CPU, "
                                     "gpu_memory_utilization of free memory on GPU)")

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, UInt32
 
 from jaxpaged.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from pallas_kernels.sampling import reference_top_k_top_p_sampling
+from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
 
 
 @jax.tree_util.register_dataclass
@@ -44,13 +44,17 @@ def request_keys(seeds: UInt32[Array, "S"], steps: Int[Array, "S"]):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, steps)
 
 
-def _draw(x: Float[Array, "S V"], meta: SamplingMetadata) -> Int[Array, "S"]:
+def _draw(x: Float[Array, "S V"], meta: SamplingMetadata, backend: str) -> Int[Array, "S"]:
     greedy = meta.temperature <= 0
     scaled = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
     scaled = jax.lax.cond(jnp.any(meta.processors.min_p > 0), apply_min_p, lambda y, _: y, scaled,
                           meta.processors.min_p)
     keys = request_keys(meta.seeds, meta.steps)
-    return reference_top_k_top_p_sampling(scaled, keys, jnp.where(greedy, 0.0, 1.0), meta.top_k, meta.top_p)
+    temperature = jnp.where(greedy, 0.0, 1.0)  # already applied
+    if backend in ("pallas", "pallas-interpret"):
+        return top_k_top_p_sampling(scaled, keys, temperature, meta.top_k, meta.top_p,
+                                    interpret=backend == "pallas-interpret")
+    return reference_top_k_top_p_sampling(scaled, keys, temperature, meta.top_k, meta.top_p)
 
 
 def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
@@ -63,12 +67,15 @@ def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
 
 
 def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetadata, *,
-           logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
-    """Next token per row. All-greedy batches skip the random draw; batches without logprobs skip top-k."""
+           logprobs_mode: str = "raw_logprobs", backend: str = "reference") -> SamplerOutput:
+    """Next token per row. All-greedy batches skip the random draw; batches without logprobs skip top-k.
+
+    backend: "reference" (sorts rows), "pallas" (the sort-free kernel) or "pallas-interpret".
+    """
     processed = process_logits(logits, row_state, meta.processors)
     all_greedy = jnp.all(meta.temperature <= 0)
     tokens = jax.lax.cond(all_greedy, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
-                          lambda x: _draw(x, meta), processed)
+                          lambda x: _draw(x, meta, backend), processed)
     source = logits if logprobs_mode == "raw_logprobs" else processed
     s = logits.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import CacheConfig, EngineArgs, EngineConfig
+from jaxpaged.config import CacheConfig, EngineArgs, EngineConfig, resolve_kernel_backend
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -112,7 +112,9 @@ class LLMEngine:
         tokenizer = load_tokenizer(args.tokenizer or path)
         sched = args.scheduler_config(model_config.max_position_embeddings)
         t0 = time.perf_counter()
-        model = build_model(model_config, kv_chunk=max(32, args.block_size))
+        attention_backend = resolve_kernel_backend(args.attention_backend)
+        sampler_backend = resolve_kernel_backend(args.sampler_backend)
+        model = build_model(model_config, kv_chunk=max(32, args.block_size), attention_backend=attention_backend)
         logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
                     time.perf_counter() - t0)
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -129,6 +131,8 @@ class LLMEngine:
             compile_guard=args.compile_guard,
             attention_chunk=max(32, args.block_size),
             logprobs_mode=args.logprobs_mode,
+            attention_backend=attention_backend,
+            sampler_backend=sampler_backend,
         )
         return cls(config, tokenizer, model)
 

@@ -70,7 +70,7 @@ class LlamaLayers(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only Llama-family model over a paged KV pool."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "xla",
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
                  kv_chunk: int = 32):
         expected = param_shapes(cfg)
         missing = sorted(set(expected) - set(weights))

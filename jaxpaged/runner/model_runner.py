@@ -74,13 +74,13 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, logprobs_mode, state, kv_pool, row_state: RowState, inp: StepInput):
+def _step(graphdef, logprobs_mode, sampler_backend, state, kv_pool, row_state: RowState, inp: StepInput):
     """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence."""
     model = nnx.merge(graphdef, state)
     row_state = update_row_state(row_state, inp.sampling.processors, inp.token_ids)
     hidden, kv_pool = model(inp.token_ids, kv_pool, inp.attn)
     logits = model.compute_logits(hidden[inp.logits_indices])  # [S, V]
-    out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode)
+    out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode, backend=sampler_backend)
     return kv_pool, row_state, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
 
 
@@ -128,7 +128,7 @@ class ModelRunner:
         self.num_slots = sc.max_num_seqs
         self.row_state = RowState.zeros(self.num_slots, mc.vocab_size)
         self.slots = SlotTable(self.num_slots)
-        self._jitted = jax.jit(partial(_step, self.graphdef, config.logprobs_mode), donate_argnums=(1, 2))
+        self._jitted = jax.jit(partial(_step, self.graphdef, config.logprobs_mode, config.sampler_backend), donate_argnums=(1, 2))
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.guard = CompileGuard()

@@ -41,3 +41,25 @@ def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32), f"{arch}: prompt of {len(ids)} tokens"
         assert out.outputs[0].finish_reason == "length"
+
+
+def test_pallas_backends_in_the_interpreter_match_hf(tiny_model_dir):
+    """Attention and sampling through the Pallas kernels (interpreted): greedy rows still equal HF, token for
+    token, in batches where other rows sample (so the sampling kernel runs on mixed rows)."""
+    path = tiny_model_dir("llama")
+    hf = load_hf_model(path)
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True,
+              attention_backend="pallas", sampler_backend="pallas")
+    assert llm.engine.config.attention_backend == "pallas-interpret"
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate(ps, [greedy if i % 2 == 0 else sampled for i in range(len(ps))], use_tqdm=False)
+    for i, (ids, out) in enumerate(zip(ps, outs)):
+        if i % 2 == 0:
+            assert out.outputs[0].token_ids == hf_greedy(hf, ids, 16), f"prompt of {len(ids)} tokens"
+        else:  # each sampled token is among HF's top 3 after the tokens before it
+            toks = out.outputs[0].token_ids
+            assert len(toks) == 16
+            for j, tok in enumerate(toks):
+                assert tok in np.argsort(-hf_last_logits(hf, ids + toks[:j]))[:3]
