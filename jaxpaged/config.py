@@ -56,6 +56,7 @@ class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 0  # physical blocks in the pool, block 0 (the null block) included
     enable_prefix_caching: bool = False
+    num_host_blocks: int = 0  # host-memory blocks that swap preemption moves requests' blocks to
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties and biases)
     attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
     sampler_backend: str = "reference"  # resolved, as attention_backend
+    share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -136,6 +139,12 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"  # logprobs from the raw model output, or "processed_logprobs"
     attention_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
     sampler_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
+    # n > 1 samples fork from one prefilled prompt and beams fork from their parent, sharing blocks with
+    # copy-on-write. Off (for measuring what sharing saves): samples prefill on their own and beams fork
+    # by copying every block.
+    share_forked_blocks: bool = True
+    preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to host memory and back
+    swap_space: float = 4.0  # GiB of host memory for swapped blocks (with preemption_mode=swap)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -155,6 +164,10 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
         for name in ("attention_backend", "sampler_backend"):
             if getattr(self, name) not in KERNEL_BACKENDS:
                 raise ValueError(f"{name} must be one of {', '.join(KERNEL_BACKENDS)}; got {getattr(self, name)!r}")
@@ -181,6 +194,7 @@ class EngineArgs:
             max_num_batched_tokens=max_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
         )
 

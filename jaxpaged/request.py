@@ -55,6 +55,11 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     # Prompt logprob rows (token, logprob, rank, top ids, top logprobs) for prompt positions 1.. so far.
     prompt_logprob_rows: list = field(default_factory=list)
+    # Held requests (beam search): a step computes their tokens and logprobs but appends no token; the
+    # owner appends the next token itself.
+    hold_output: bool = False
+    # Sibling samples (n > 1) forked from this request once its prompt is computed, sharing its blocks.
+    pending_forks: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,8 @@
-"""Per-request block lists on top of the `BlockPool`: allocate on demand, share cached prefixes, free."""
+"""Per-request block lists on top of the `BlockPool`: allocate on demand, share, copy on write, free."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from jaxpaged.core import block_pool
 from jaxpaged.core.block_pool import BlockPool, KVCacheBlock
@@ -11,17 +13,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Maps each request id to the physical blocks that hold its tokens, in logical order."""
+class BlockCopy(NamedTuple):
+    """Copy the K/V of physical block `src` into block `dst` (all layers) before the step writes."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
+    src: int
+    dst: int
+
+
+class KVCacheManager:
+    """Maps each request id to the physical blocks that hold its tokens, in logical order; and a swapped-out
+    request to the host blocks that hold them while it waits."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.req_to_host_blocks: dict[str, list[int]] = {}
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.req_to_hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found
+        self.pending_copies: list[BlockCopy] = []  # copy-on-write copies the next step must do first
+        self.num_cow_copies = 0
 
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Hashes of the request's full blocks within its first `num_tokens` tokens (computed once each)."""
@@ -54,12 +70,20 @@ class KVCacheManager:
         fills become cached.
         """
         held = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
-        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        start = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = start + num_new_tokens
         need = max(0, cdiv(total, self.block_size) - held)
+        shared = self._shared_written_blocks(request.request_id, start, total)
         evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need + evictable_hits > self.pool.num_free_blocks:
+        if need + len(shared) + evictable_hits > self.pool.num_free_blocks:
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        for i in shared:  # copy on write: this request gets its own copy of a block others still hold
+            (dst,) = self.pool.get_new_blocks(1)
+            self.pending_copies.append(BlockCopy(blocks[i].block_id, dst.block_id))
+            self.pool.free_blocks([blocks[i]])
+            blocks[i] = dst
+            self.num_cow_copies += 1
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
         new = self.pool.get_new_blocks(need)
@@ -70,6 +94,31 @@ class KVCacheManager:
             for i in range((total - num_new_tokens) // bs, total // bs):  # blocks this step fills
                 self.pool.cache_block(blocks[i], hashes[i], tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
         return new
+
+    def _shared_written_blocks(self, request_id: str, start: int, total: int) -> list[int]:
+        """Indexes of held blocks that tokens [start, total) would write and that someone else also holds."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        first, last = start // self.block_size, min(len(blocks), cdiv(total, self.block_size))
+        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
+
+    def fork(self, parent: Request, child: Request, num_tokens: int, *, share: bool = True) -> None:
+        """Give `child` the parent's blocks that hold its first `num_tokens` tokens: shared (ref counts),
+        or with share=False fresh blocks and a copy of each (raises if the pool is short)."""
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = self.req_to_blocks[parent.request_id][: cdiv(num_tokens, self.block_size)]
+        if share:
+            self.pool.touch(blocks)
+            self.req_to_blocks[child.request_id] = list(blocks)
+            return
+        copies = self.pool.get_new_blocks(len(blocks))
+        self.pending_copies += [BlockCopy(a.block_id, b.block_id) for a, b in zip(blocks, copies)]
+        self.req_to_blocks[child.request_id] = copies
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The copy-on-write copies recorded since the last call (the next step's `block_copies`)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,8 +133,39 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    # -- swapping ---------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(self.req_to_blocks.get(request.request_id, ())) <= len(self.host_free)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host blocks: returns (device block, host block) pairs to copy, and
+        drops its device references (shared blocks stay with their other holders)."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        host = [self.host_free.pop() for _ in blocks]
+        self.req_to_host_blocks[request.request_id] = host
+        self.pool.free_blocks(reversed(blocks))
+        return [(b.block_id, h) for b, h in zip(blocks, host)]
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.req_to_host_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back into fresh device blocks with room for `num_new_tokens` more:
+        returns (host block, device block) pairs to copy, or None (and no change) if the pool is short."""
+        host = self.req_to_host_blocks[request.request_id]
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if max(total, len(host)) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(max(total, len(host)))
+        self.req_to_blocks[request.request_id] = blocks
+        del self.req_to_host_blocks[request.request_id]
+        self.host_free.extend(reversed(host))
+        return [(h, b.block_id) for h, b in zip(host, blocks)]
+
     def free(self, request: Request) -> None:
-        """Release every block of `request`, tail first: a prefix's head blocks stay cached the longest."""
+        """Release every block of `request` (device and host), tail first: a prefix's head blocks stay cached
+        the longest."""
+        self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.pool.free_blocks(reversed(blocks))
         if request.finished:

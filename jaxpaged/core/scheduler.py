@@ -4,6 +4,11 @@ Each request has `num_computed_tokens` catching up to `num_tokens`. A step gives
 requests their tokens first (1 for decode, the rest of a chunk for a prefill), then admits
 waiting requests while budget, sequence slots and blocks last. When blocks run out, the
 newest (or lowest-priority) running request is preempted by recompute.
+
+Forks share blocks: an n > 1 request runs as its first sample until the prompt is computed, then
+its siblings fork from it (sharing every block of the prompt but the last token, which each
+recomputes for its own logits); beam search forks held requests. A shared block that a request is
+about to write is copied first (copy-on-write): the copies travel in `SchedulerOutput.block_copies`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager
 from jaxpaged.request import Request, RequestStatus
 
 
@@ -40,6 +45,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their slots)
+    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -95,6 +103,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0
         self._finished_ids: list[str] = []
 
     # -- queue management ---------------------------------------------------------------
@@ -131,6 +140,11 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_reserved_seqs(self) -> int:
+        """Running requests plus the siblings they will fork: what counts against max_num_seqs."""
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -143,38 +157,66 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a held request waiting for its owner's next token
+                i += 1
+                continue
             if self.kv.allocate_slots(req, n) is not None:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
                 budget -= n
                 i += 1
                 continue
             victim = self._pick_victim(start=i)
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             # `victim` is at index >= i, so scheduled requests keep their slots; retry `req` (or the next).
 
-        if out.preempted_ids:
-            return out  # no admissions in a step that had to preempt
-        while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
+        if not out.preempted_ids:  # no admissions in a step that had to preempt
+            self._admit(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
-            hits = self.kv.get_computed_blocks(req)
-            num_cached = len(hits) * self.kv.block_size
-            n = req.num_tokens - num_cached
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            if self.kv.allocate_slots(req, n, hits) is None:
+            if self.num_reserved_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break
-            self.waiting.pop()
-            self.kv.num_queried_tokens += req.num_tokens
-            self.kv.num_hit_tokens += num_cached
-            req.num_computed_tokens = num_cached
+            if self.kv.is_swapped(req):  # resumes where it stopped, its blocks copied back from host memory
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                pairs = self.kv.swap_in(req, n)
+                if pairs is None:
+                    break
+                self.waiting.pop()
+                out.swap_in += pairs
+            else:
+                hits = self.kv.get_computed_blocks(req)
+                num_cached = len(hits) * self.kv.block_size
+                n = req.num_tokens - num_cached
+                if n > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    n = budget
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    break
+                self.waiting.pop()
+                self.kv.num_queried_tokens += req.num_tokens
+                self.kv.num_hit_tokens += num_cached
+                req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            if n:  # (a swapped-in held request may have nothing to compute yet)
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
             budget -= n
-        return out
+
+    def fork(self, parent: Request, child: Request, num_tokens: int, *, share: bool = True) -> None:
+        """Start `child` running with the parent's first `num_tokens` tokens computed, sharing their blocks
+        (or, share=False, with copies of them)."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in use")
+        self.kv.fork(parent, child, num_tokens, share=share)
+        child.num_computed_tokens = num_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
 
     def _pick_victim(self, start: int) -> Request:
         """The running request to preempt: the newest (fcfs) or the lowest priority, not yet scheduled."""
@@ -183,10 +225,17 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),
+        else free them and recompute it later."""
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
+        swap = self.config.preemption_mode == "swap" and req.prefix_cacheable and self.kv.can_swap_out(req)
+        if swap:
+            out.swap_out += self.kv.swap_out(req)
+            self.num_swaps += 1
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -205,9 +254,13 @@ class Scheduler:
                 continue
             samples = s.samples
             req.num_computed_tokens += s.num_new_tokens
-            if not samples:
+            if not samples or req.hold_output:
                 continue
             token = int(sampled_token_ids[i])
+            if req.pending_forks:  # the prompt is computed: siblings fork, each to recompute the last prompt token
+                for child in req.pending_forks:
+                    self.fork(req, child, len(req.prompt_token_ids) - 1)
+                req.pending_forks = []
             req.output_token_ids.append(token)
             status = self._check_stop(req, token)
             if status is not None:

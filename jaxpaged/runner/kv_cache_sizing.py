@@ -41,3 +41,12 @@ def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, 
         n, block_size, (n - 1) * block_size, n * per_block / 2**30, source,
     )
     return n
+
+
+def num_host_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int) -> int:
+    """Host-memory blocks for swap preemption: swap_space GiB of them with preemption_mode=swap, else 0."""
+    if args.preemption_mode != "swap":
+        return 0
+    n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token * block_size)
+    logger.info("Swap space: %d host blocks (%.2f GiB)", n, args.swap_space)
+    return n

@@ -22,6 +22,7 @@ from jaxpaged.attention import empty_kv_pool
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.runner.block_transfer import BlockTransfer
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket, token_buckets
 from jaxpaged.runner.step_input import StepGeometry, StepInput, build_step_input, row_order
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
@@ -132,6 +133,8 @@ class ModelRunner:
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.guard = CompileGuard()
+        self.transfer: BlockTransfer | None = None  # compiled at warmup
+        self._host_pool: np.ndarray | None = None
 
     def _num_seqs(self, num_tokens: int) -> int:
         return seq_bucket(num_tokens, self.config.scheduler_config.max_num_seqs)
@@ -148,6 +151,7 @@ class ModelRunner:
         v = self.config.model_config.vocab_size
         self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
                                                   np.zeros(v, bool)).compile()
+        self.transfer = BlockTransfer(self.kv_pool)
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
@@ -176,6 +180,8 @@ class ModelRunner:
         order = row_order(out)
         reset = self._assign_slots(out)
         inp = build_step_input(out, t, self._num_seqs(t), self.geometry, order, self.slots.of, reset)
+        if out.block_copies or out.swap_out or out.swap_in:
+            self._move_blocks(out)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
@@ -187,6 +193,29 @@ class ModelRunner:
         inverse = np.empty(len(order), np.int64)
         inverse[order] = np.arange(len(order))
         return jax.tree.map(lambda x: x[inverse], result), self._split_prompt_logprobs(out, order, inp, prompt_lp)
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap-outs, then copy-on-write copies, then swap-ins: each reads blocks before anything this step
+        hands out again can overwrite them."""
+        if self.transfer is None:
+            self.transfer = BlockTransfer(self.kv_pool)
+        with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+            if out.swap_out:
+                dev, host = zip(*out.swap_out)
+                self.host_pool[:, :, list(host)] = self.transfer.read(self.kv_pool, list(dev))
+            if out.block_copies:
+                self.kv_pool = self.transfer.copy(self.kv_pool, out.block_copies)
+            if out.swap_in:
+                host, dev = zip(*out.swap_in)
+                self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.host_pool[:, :, list(host)])
+
+    @property
+    def host_pool(self) -> np.ndarray:
+        """[L, 2, host blocks, block_size, KH, D] in host memory, allocated on first use."""
+        if self._host_pool is None:
+            cc, shape = self.config.cache_config, self.kv_pool.shape
+            self._host_pool = np.zeros((*shape[:2], cc.num_host_blocks, *shape[3:]), self.kv_pool.dtype)
+        return self._host_pool
 
     @staticmethod
     def _split_prompt_logprobs(out: SchedulerOutput, order: list[int], inp: StepInput, prompt_lp):

@@ -1,4 +1,4 @@
-"""Property test: random add / step / abort / preempt schedules never break the block pool's invariants."""
+"""Property test: random add / step / abort / fork / preempt schedules never break the block pool's invariants."""
 
 from collections import Counter
 
@@ -25,6 +25,12 @@ def check_invariants(s: Scheduler) -> None:
     assert set(s.kv.req_to_blocks) <= {r.request_id for r in s.running}  # only running requests hold blocks
     for r in s.running:
         assert len(s.kv.blocks_of(r.request_id)) * s.kv.block_size >= r.num_computed_tokens
+    assert len(s.running) <= s.config.max_num_seqs
+    host_held = [h for hs in s.kv.req_to_host_blocks.values() for h in hs]  # the host pool: free xor held, once
+    assert len(host_held) == len(set(host_held)) and not set(host_held) & set(s.kv.host_free)
+    assert len(host_held) + len(s.kv.host_free) == s.kv.num_host_blocks
+    waiting_ids = {r.request_id for r in s.waiting}
+    assert set(s.kv.req_to_host_blocks) <= waiting_ids  # only preempted, waiting requests are swapped out
 
 
 actions = st.lists(
@@ -33,6 +39,8 @@ actions = st.lists(
         st.tuples(st.just("add_shared"), st.integers(1, 40), st.integers(1, 30)),  # common prefix: cache hits
         st.tuples(st.just("step"), st.integers(0, 20), st.just(0)),
         st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("add_n"), st.integers(1, 40), st.integers(2, 4)),  # siblings fork after the prompt
+        st.tuples(st.just("fork"), st.integers(0, 30), st.just(0)),  # a running request forks (as beams do)
     ),
     min_size=1, max_size=60,
 )
@@ -40,14 +48,34 @@ actions = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans())
-def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching):
-    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=10_000, policy=policy)
-    s = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
+       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans(),
+       host_blocks=st.sampled_from([None, 0, 3, 40]))
+def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching,
+                                          host_blocks):
+    """host_blocks None: recompute preemption; else swap preemption with that many host blocks (0 and 3
+    force the fall back to recompute)."""
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=10_000, policy=policy,
+                             preemption_mode="recompute" if host_blocks is None else "swap")
+    s = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                                         num_host_blocks=host_blocks or 0))
     capacity = (num_blocks - 1) * block_size
     ids = 0
     for kind, a, b in actions:
-        if kind in ("add", "add_shared"):
+        if kind == "add_n":
+            prompt_len = min(a, capacity - 1)
+            sp = SamplingParams(max_tokens=max(1, min(8, capacity - prompt_len)), n=b)
+            reqs = [Request(f"r{ids}#{i}", [2000 + ids] * prompt_len, sp, seed=i) for i in range(b)]
+            reqs[0].pending_forks = reqs[1:]
+            s.add_request(reqs[0])
+            ids += 1
+        elif kind == "fork":
+            if s.running and s.num_reserved_seqs < config.max_num_seqs:
+                parent = s.running[a % len(s.running)]
+                child = Request(f"f{ids}", parent.prompt_token_ids, parent.sampling_params, seed=1,
+                                output_token_ids=list(parent.output_token_ids))
+                s.fork(parent, child, parent.num_computed_tokens)
+                ids += 1
+        elif kind in ("add", "add_shared"):
             prompt_len, max_tokens = min(a, capacity - 1), b
             max_tokens = max(1, min(max_tokens, capacity - prompt_len))  # admission control as the engine does
             prompt = list(range(prompt_len)) if kind == "add_shared" else [1000 + ids] * prompt_len
@@ -58,11 +86,21 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
             out = s.schedule()
             assert out.total_num_scheduled_tokens <= budget
             assert len(out.scheduled) <= config.max_num_seqs
-            for x in out.scheduled:  # the scheduled tokens fit the request's blocks
+            for x in out.scheduled:  # the scheduled tokens fit the request's blocks; a shared block written is
+                # only a full prefix-cache block computed in this very step (same tokens for every holder)
                 assert len(x.block_ids) * block_size >= x.request.num_computed_tokens + x.num_new_tokens
+                first = x.request.num_computed_tokens // block_size
+                last = -(-(x.request.num_computed_tokens + x.num_new_tokens) // block_size)
+                written = s.kv.blocks_of(x.request.request_id)[first:last]
+                assert all(blk.ref_cnt == 1 or blk.block_hash is not None for blk in written), "writes a shared block"
+            for c in out.block_copies:
+                assert s.kv.pool.blocks[c.dst].ref_cnt == 1
+            for _, dev in out.swap_in:  # swapped back into blocks of its own
+                assert s.kv.pool.blocks[dev].ref_cnt == 1
             s.update_from_output(out, [a + 3] * len(out.scheduled))
         elif ids:
-            s.abort_requests([f"r{a % ids}"])
+            rid = f"r{a % ids}"
+            s.abort_requests([rid] + [f"{rid}#{i}" for i in range(4)])
         check_invariants(s)
     # drain: every request must finish, and every block must come back
     for _ in range(10_000):
@@ -74,3 +112,4 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
         check_invariants(s)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks - 1
+    assert len(s.kv.host_free) == (host_blocks or 0) and not s.kv.req_to_host_blocks

@@ -7,9 +7,9 @@ from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, block_size=4, **cfg):
+def make(num_blocks=64, block_size=4, num_host_blocks=0, **cfg):
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "max_model_len": 256, **cfg})
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks))
 
 
 def req(rid, n, max_tokens=8, priority=0, **kw):
@@ -71,6 +71,34 @@ def test_preempts_newest_and_resumes_it_with_its_output():
     assert r2.status == RequestStatus.PREEMPTED and r2.num_computed_tokens == 0
     assert r2.output_token_ids == [7, 7]  # kept: recomputed on resume
     assert s.kv.num_free_blocks == 1
+
+
+def test_swap_preemption_moves_blocks_to_host_and_back():
+    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=32, preemption_mode="swap", num_host_blocks=4)
+    s.add_request(req("r1", 7, max_tokens=20))
+    s.add_request(req("r2", 7, max_tokens=20))
+    step(s), step(s)
+    r2_blocks = s.kv.block_ids("r2")
+    out = step(s)  # r2 is preempted: its two blocks go to host blocks 0 and 1
+    assert out.preempted_ids == ["r2"] and out.swap_out == list(zip(r2_blocks, [0, 1]))
+    r2 = s.requests["r2"]
+    assert r2.status == RequestStatus.PREEMPTED and r2.num_computed_tokens == 8  # nothing to recompute
+    assert s.kv.req_to_host_blocks == {"r2": [0, 1]} and s.kv.host_free == [3, 2]
+    s.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+    out = step(s)  # r2 comes back: host blocks copied into fresh device blocks, one more token computed
+    assert [h for h, _ in out.swap_in] == [0, 1] and s.kv.block_ids("r2")[:2] == [d for _, d in out.swap_in]
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("r2", 1)]
+    assert not s.kv.req_to_host_blocks and len(s.kv.host_free) == 4
+
+
+def test_swap_falls_back_to_recompute_when_host_space_is_short():
+    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=32, preemption_mode="swap", num_host_blocks=1)
+    s.add_request(req("r1", 7, max_tokens=20))
+    s.add_request(req("r2", 7, max_tokens=20))
+    step(s), step(s)
+    out = step(s)
+    assert out.preempted_ids == ["r2"] and not out.swap_out
+    assert s.requests["r2"].num_computed_tokens == 0
 
 
 def test_priority_policy_preempts_lowest_priority():

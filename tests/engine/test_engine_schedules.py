@@ -50,6 +50,21 @@ def test_preemption_keeps_outputs(tiny_model_dir, expected):
     assert llm.engine.kv_cache_manager.num_free_blocks == 12
 
 
+@pytest.mark.parametrize("swap_space", [1e-3, 1.2e-5])  # room for all swapped blocks; for one block (recompute)
+def test_swap_preemption_keeps_outputs(tiny_model_dir, expected, swap_space):
+    """Preempted requests' blocks go to host memory and come back; where host space is short, recompute."""
+    llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64, preemption_mode="swap",
+                   swap_space=swap_space)
+    sched, kv = llm.engine.scheduler, llm.engine.kv_cache_manager
+    assert sched.num_preemptions > 0
+    if swap_space > 1e-4:
+        assert sched.num_swaps == sched.num_preemptions  # every preemption swapped
+    else:
+        assert kv.num_host_blocks == 1 and sched.num_swaps < sched.num_preemptions  # some had to recompute
+    assert got == expected
+    assert kv.num_free_blocks == 12 and len(kv.host_free) == kv.num_host_blocks  # both pools whole again
+
+
 def test_max_num_seqs_limits_the_batch(tiny_model_dir, expected):
     llm, got = run(tiny_model_dir("llama"), max_num_seqs=2, num_kv_blocks=64)
     assert got == expected
@@ -151,17 +166,24 @@ def test_prefix_caching_gives_the_same_outputs(tiny_model_dir, budget):
 
 
 def test_parallel_sampling_shares_the_prompt_blocks(tiny_model_dir):
+    """n=4: the prompt is prefilled once and the samples fork from it (copy-on-write of the partial last
+    block), with or without prefix caching; with neither, each sample prefills and stores its own prompt."""
     prompt = np.random.default_rng(8).integers(3, 256, size=70).tolist()
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
-    peaks, texts = {}, {}
-    for caching in (True, False):
-        llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, enable_prefix_caching=caching)
+    peaks, texts, copies = {}, {}, {}
+    for caching, share in ((True, True), (False, True), (True, False), (False, False)):
+        llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, enable_prefix_caching=caching,
+                  share_forked_blocks=share, max_num_batched_tokens=128)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert [o.index for o in out.outputs] == [0, 1, 2, 3]
         assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # each child has its own seed stream
-        peaks[caching] = llm.engine.stats.peak_kv_blocks_used
-        texts[caching] = [o.token_ids for o in out.outputs]
+        peaks[caching, share] = llm.engine.stats.peak_kv_blocks_used
+        copies[caching, share] = llm.engine.kv_cache_manager.num_cow_copies
+        texts[caching, share] = [o.token_ids for o in out.outputs]
         assert llm.engine.kv_cache_manager.num_free_blocks == 63
-    assert texts[True] == texts[False]
-    # 70 prompt tokens = 4 full blocks + 6 tokens: shared, each child holds 4 shared + 1 own block
-    assert peaks[False] == 4 * 5 and peaks[True] == 4 + 4 * 1
+    assert all(t == texts[True, True] for t in texts.values())
+    # 70 prompt tokens = 4 full blocks + 6 tokens. Forked: the 4 full blocks are held once and each sample
+    # ends up with its own copy of the fifth (3 copies: the last writer keeps the original).
+    assert peaks[False, True] == peaks[True, True] == 4 + 4 * 1 and copies[False, True] == 3
+    assert peaks[True, False] == 4 + 4 * 1  # prefix caching alone shares the full blocks too
+    assert peaks[False, False] == 4 * 5 and copies[False, False] == 0

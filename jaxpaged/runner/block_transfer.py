@@ -1,0 +1,63 @@
+"""Whole-block moves in the KV pool: copy-on-write copies, and swaps to and from host memory.
+
+Each runs as a small precompiled executable on a fixed chunk of block ids (padding ids point past
+the pool, so their writes drop), with the pool donated, so a move of any size compiles nothing
+after warmup and never copies the pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+CHUNK = 32  # block ids per call
+
+
+def _copy(kv_pool: Float[Array, "L 2 N bs KH D"], src: Int[Array, "C"], dst: Int[Array, "C"]):
+    return kv_pool.at[:, :, dst].set(kv_pool[:, :, src], mode="drop")
+
+
+def _gather(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"]):
+    return kv_pool[:, :, ids]  # [L, 2, C, bs, KH, D]
+
+
+def _scatter(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"], data: Float[Array, "L 2 C bs KH D"]):
+    return kv_pool.at[:, :, ids].set(data, mode="drop")
+
+
+class BlockTransfer:
+    """Compiled block moves for one pool shape."""
+
+    def __init__(self, kv_pool):
+        self.num_blocks = kv_pool.shape[2]
+        ids = np.zeros(CHUNK, np.int32)
+        data = jax.ShapeDtypeStruct((*kv_pool.shape[:2], CHUNK, *kv_pool.shape[3:]), kv_pool.dtype)
+        self._copy = jax.jit(_copy, donate_argnums=0).lower(kv_pool, ids, ids).compile()
+        self._gather = jax.jit(_gather).lower(kv_pool, ids).compile()
+        self._scatter = jax.jit(_scatter, donate_argnums=0).lower(kv_pool, ids, data).compile()
+
+    def _chunks(self, ids: list[int], fill: int):
+        for i in range(0, len(ids), CHUNK):
+            part = ids[i : i + CHUNK]
+            yield i, len(part), np.asarray(part + [fill] * (CHUNK - len(part)), np.int32)
+
+    def copy(self, kv_pool, pairs: list[tuple[int, int]]):
+        """Copy block src -> dst for each pair, in order; returns the new pool."""
+        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+        for (i, n, s), (_, _, d) in zip(self._chunks(src, 0), self._chunks(dst, self.num_blocks)):
+            kv_pool = self._copy(kv_pool, s, d)
+        return kv_pool
+
+    def read(self, kv_pool, ids: list[int]) -> np.ndarray:
+        """The blocks' contents on the host: [L, 2, len(ids), bs, KH, D]."""
+        parts = [np.asarray(self._gather(kv_pool, c))[:, :, :n] for _, n, c in self._chunks(ids, 0)]
+        return np.concatenate(parts, axis=2)
+
+    def write(self, kv_pool, ids: list[int], data: np.ndarray):
+        """Write host `data` [L, 2, len(ids), ...] into the blocks; returns the new pool."""
+        for i, n, c in self._chunks(ids, self.num_blocks):
+            chunk = np.zeros((*data.shape[:2], CHUNK, *data.shape[3:]), data.dtype)
+            chunk[:, :, :n] = data[:, :, i : i + n]
+            kv_pool = self._scatter(kv_pool, c, chunk)
+        return kv_pool
