@@ -57,6 +57,28 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
     return result
 
 
+def run_beam_search(reqs: list[BenchRequest], engine_args: EngineArgs, width: int, max_tokens: int,
+                    label: str) -> dict:
+    """Beam search (width beams, max_tokens each, EOS ignored) over the workload's prompts."""
+    from jaxpaged import LLM, BeamSearchParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    warmup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.beam_search([r.prompt_token_ids for r in reqs],
+                           BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    eng = llm.engine
+    result = summarize(label, reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
+                       kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
+                       beam_width=width, cow_copies=eng.kv_cache_manager.num_cow_copies)
+    result["output_tokens"] = sum(len(s.tokens) - len(r.prompt_token_ids) for r, o in zip(reqs, outs)
+                                  for s in o.sequences)
+    result["output_tokens_per_s"] = result["output_tokens"] / wall
+    return result
+
+
 def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
     """HF transformers `generate` in static batches: left padding, each batch runs to its longest output."""
     import os
@@ -102,6 +124,9 @@ def print_table(results: list[dict]) -> None:
     if len(results) == 2:
         ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
         print(f"\n{results[0]['backend']} / {results[1]['backend']} output tokens/s: {ratio:.2f}x")
+        a, b = (r.get("peak_kv_blocks_used") for r in results)
+        if a is not None and b:
+            print(f"peak KV blocks: {a} vs {b} ({1 - a / b:.0%} fewer)")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +142,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run jaxpaged with prefix caching on and off, and print the ratio")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
+    p.add_argument("--beam-width", type=int, default=None,
+                   help="beam search with this many beams per prompt (max_tokens: the upper end of --output-len)")
+    p.add_argument("--compare-sharing", action="store_true",
+                   help="run jaxpaged with KV sharing (forked blocks, prefix caching) and without, and compare "
+                        "peak KV blocks")
     p.add_argument("--output-json", default="bench_results/throughput.json")
     EngineArgs.add_cli_args(p)
 
@@ -139,6 +169,20 @@ def main(ns: argparse.Namespace) -> list[dict]:
     if engine_args.max_model_len is None:
         engine_args.max_model_len = max(max_len, 128)
     results = []
+    if ns.compare_sharing or ns.beam_width:
+        import dataclasses
+
+        variants = [("on", True, engine_args.enable_prefix_caching)]
+        if ns.compare_sharing:
+            variants.append(("off", False, False))
+        for name, share, caching in variants:
+            args = dataclasses.replace(engine_args, share_forked_blocks=share, enable_prefix_caching=caching)
+            label = f"jaxpaged sharing {name}" if ns.compare_sharing else "jaxpaged"
+            if ns.beam_width:
+                results.append(run_beam_search(reqs, args, ns.beam_width, parse_range(ns.output_len)[1], label))
+            else:
+                results.append(run_jaxpaged(reqs, args, ns.n, label))
+        return _report(results, ns)
     if ns.compare_prefix_caching:
         import dataclasses
 

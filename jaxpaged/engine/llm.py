@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -77,6 +78,22 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt (HF's algorithm, early stopping); one `BeamSearchOutput` per prompt, in
+        order, whose `.sequences` are the beam_width best, best first. Beams share KV blocks."""
+        ids = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in _normalize_prompts(prompts)]
+        bar = tqdm(total=len(ids), desc="Beam search", unit="prompt", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            return BeamSearcher(self.engine, params).run(ids, progress=bar)
+        finally:
+            bar.close()
 
     def chat(
         self,

@@ -24,7 +24,7 @@ from jaxpaged.models.registry import (
     model_config_from_hf,
 )
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
-from jaxpaged.runner.kv_cache_sizing import num_kv_blocks
+from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks
 from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.sampling_params import SamplingParams
 
@@ -91,7 +91,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         sc, cc = config.scheduler_config, config.cache_config
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
-                                               enable_prefix_caching=cc.enable_prefix_caching)
+                                               enable_prefix_caching=cc.enable_prefix_caching,
+                                               num_host_blocks=cc.num_host_blocks)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self.runner = ModelRunner(config, model)
         self.warmup_seconds = self.runner.warmup()
@@ -125,7 +126,8 @@ class LLMEngine:
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks,
-                                     enable_prefix_caching=args.enable_prefix_caching),
+                                     enable_prefix_caching=args.enable_prefix_caching,
+                                     num_host_blocks=num_host_blocks(args, model_config, args.block_size)),
             scheduler_config=sched,
             seed=args.seed,
             compile_guard=args.compile_guard,
@@ -133,6 +135,7 @@ class LLMEngine:
             logprobs_mode=args.logprobs_mode,
             attention_backend=attention_backend,
             sampler_backend=sampler_backend,
+            share_forked_blocks=args.share_forked_blocks,
         )
         return cls(config, tokenizer, model)
 
@@ -154,7 +157,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self._validate_prompt(ids, params)
+        self.validate_prompt(ids, params)
         parent = _ParentRequest(request_id, text, ids)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         for i in range(params.n):
@@ -167,9 +170,35 @@ class LLMEngine:
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens)))
             self._child_to_parent[child_id] = request_id
+        first, *siblings = [seq.request for seq in parent.sequences]
+        if siblings and params.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
+        if siblings and self.config.share_forked_blocks and not params.needs_penalties:
+            first.pending_forks = siblings  # they fork from the first once its prompt is computed
+            siblings = []
+        for req in (first, *siblings):
             self.scheduler.add_request(req)
         self._parents[request_id] = parent
         return request_id
+
+    # -- held requests (beam search drives them token by token) ----------------------------
+    def add_held_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request whose steps compute logprobs but append no token: the caller appends each next token."""
+        req = Request(request_id, list(prompt_token_ids), params, seed=0, hold_output=True,
+                      eos_token_ids=self.config.model_config.eos_token_ids)
+        self.scheduler.add_request(req)
+        return req
+
+    def fork_held_request(self, parent: Request, request_id: str) -> Request:
+        """A held copy of `parent` (same tokens so far) that shares its blocks until one of them writes."""
+        child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, seed=parent.seed,
+                        hold_output=True, eos_token_ids=parent.eos_token_ids,
+                        output_token_ids=list(parent.output_token_ids))
+        self.scheduler.fork(parent, child, parent.num_computed_tokens, share=self.config.share_forked_blocks)
+        return child
+
+    def abort_held_request(self, req: Request) -> None:
+        self.scheduler.abort_requests([req.request_id])
 
     def _processor_rows(self, params: SamplingParams):
         """Dense (bias, min_tokens mask) rows [V] for requests that use those features, else None."""
@@ -198,7 +227,7 @@ class LLMEngine:
             min_mask[stop_ids] = True
         return bias, min_mask
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         sc, cc = self.config.scheduler_config, self.config.cache_config
         vocab = self.config.model_config.vocab_size
         if not ids:
@@ -221,6 +250,10 @@ class LLMEngine:
             if parent is None:
                 continue
             children = [s.request.request_id for s in parent.sequences]
+            for s in parent.sequences:
+                s.request.pending_forks = []
+                if not s.request.finished and s.request.request_id not in self.scheduler.requests:
+                    s.request.status = RequestStatus.FINISHED_ABORTED  # a sibling that never forked
             self.scheduler.abort_requests(children)
             for c in children:
                 self._child_to_parent.pop(c, None)
