@@ -288,8 +288,9 @@ class LLMEngine:
             if k is not None and s.samples:
                 s.request.output_logprobs.append((float(result.logprob[i]), int(result.rank[i]),
                                                   result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+        generated = sum(1 for s in out.scheduled if s.samples)  # (held requests' tokens count too)
         advanced = self.scheduler.update_from_output(out, result.token_ids)
-        self._record_step(out, prompt_tokens, len(advanced))
+        self._record_step(out, prompt_tokens, generated)
         now = time.monotonic()
         for req, new_ids in advanced:
             parent_id = self._child_to_parent.get(req.request_id)
