@@ -189,9 +189,10 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
             c0, s0, c1, s1 = aggregate(z_tok, pivot1)
             accept = ok & (c0 < k) & (s0 < p_mass)
             mid_ok = (c1 < k) & (s1 < p_mass)
-            low = jnp.where(accept, low, jnp.where(mid_ok, z_tok, pivot1))
-            high = jnp.where(accept | ~mid_ok, high, pivot1)
-            mass = jnp.where(accept, mass, jnp.where(mid_ok, s0, s1))
+            narrow = ok & ~accept  # (no token drawn, when rounding put the target past the row's sum: redraw)
+            low = jnp.where(narrow, jnp.where(mid_ok, z_tok, pivot1), low)
+            high = jnp.where(narrow & mid_ok, pivot1, high)
+            mass = jnp.where(narrow, jnp.where(mid_ok, s0, s1), mass)
             return low, high, mass, tok, accept, r + 1
 
         init = (jnp.float32(-jnp.inf), zmax, total, jnp.int32(-1), False, jnp.int32(0))

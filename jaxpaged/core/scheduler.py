@@ -45,6 +45,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their slots)
+    fork_copies: list[BlockCopy] = field(default_factory=list)  # forks by copy since the last step: done first
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
@@ -56,6 +57,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether the runner has block copies or swaps to do (even in a step that computes nothing)."""
+        return bool(self.fork_copies or self.block_copies or self.swap_out or self.swap_in)
 
 
 class WaitingQueue:
@@ -150,7 +156,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
+        out = SchedulerOutput(finished_ids=self._finished_ids, fork_copies=self.kv.take_copies())
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -172,6 +178,15 @@ class Scheduler:
 
         if not out.preempted_ids:  # no admissions in a step that had to preempt
             self._admit(out, budget)
+            while not out.scheduled and len(self.waiting):
+                # Nothing runs: idle held requests (beams waiting for their siblings) may hold the blocks the
+                # waiting siblings need. Recompute the newest of them later, behind the waiting ones.
+                idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+                if not idle:
+                    break
+                self._preempt(idle[-1], out, front=False)
+                out.preempted_ids.append(idle[-1].request_id)
+                self._admit(out, budget)
         out.block_copies = self.kv.take_copies()
         return out
 
@@ -212,6 +227,10 @@ class Scheduler:
         (or, share=False, with copies of them)."""
         if child.request_id in self.requests:
             raise ValueError(f"request_id {child.request_id!r} is already in use")
+        if not share and len(self.kv.blocks_of(parent.request_id)) > self.kv.num_free_blocks:
+            self.requests[child.request_id] = child  # no room for copies now: it computes its tokens later
+            self.waiting.add(child)
+            return
         self.kv.fork(parent, child, num_tokens, share=share)
         child.num_computed_tokens = num_tokens
         child.status = RequestStatus.RUNNING
@@ -225,11 +244,12 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, *, front: bool = True) -> None:
         """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),
         else free them and recompute it later."""
         self.running.remove(req)
-        swap = self.config.preemption_mode == "swap" and req.prefix_cacheable and self.kv.can_swap_out(req)
+        swap = (self.config.preemption_mode == "swap" and req.prefix_cacheable and not req.hold_output
+                and self.kv.can_swap_out(req))  # (a held beam may be forked while waiting: it keeps no host copy)
         if swap:
             out.swap_out += self.kv.swap_out(req)
             self.num_swaps += 1
@@ -239,7 +259,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add(req, front=True)
+        self.waiting.add(req, front=front)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids) -> list[tuple[Request, list[int]]]:
         """Advance every scheduled request; append sampled tokens, apply stop rules, free finished ones.

@@ -104,8 +104,12 @@ class BeamSearcher:
 
     def run(self, prompts: list[list[int]], progress=None) -> list[BeamSearchOutput]:
         """Search every prompt; as many at once as max_num_seqs has room for beam_width beams each."""
+        max_len = self.engine.config.scheduler_config.max_model_len
         for ids in prompts:
             self.engine.validate_prompt(ids, self.sampling)
+            if len(ids) + self.params.max_tokens > max_len:
+                raise ValueError(f"max_tokens: a prompt of {len(ids)} tokens + max_tokens={self.params.max_tokens} "
+                                 f"exceeds max_model_len={max_len}")
         capacity = max(1, self.engine.config.scheduler_config.max_num_seqs // self.params.beam_width)
         searches: list[_Search] = []
         try:

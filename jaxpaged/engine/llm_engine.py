@@ -269,6 +269,7 @@ class LLMEngine:
         """Schedule, run one jitted step, and return outputs of requests that advanced or ended."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.prepare_idle(out)  # swaps, copies and freed slots still happen
             return []
         touched: dict[str, None] = {}
         now = time.monotonic()

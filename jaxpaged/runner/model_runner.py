@@ -180,7 +180,7 @@ class ModelRunner:
         order = row_order(out)
         reset = self._assign_slots(out)
         inp = build_step_input(out, t, self._num_seqs(t), self.geometry, order, self.slots.of, reset)
-        if out.block_copies or out.swap_out or out.swap_in:
+        if out.moves_blocks:
             self._move_blocks(out)
         step = self._compiled.get(t)
         if step is None:
@@ -194,12 +194,21 @@ class ModelRunner:
         inverse[order] = np.arange(len(order))
         return jax.tree.map(lambda x: x[inverse], result), self._split_prompt_logprobs(out, order, inp, prompt_lp)
 
+    def prepare_idle(self, out: SchedulerOutput) -> None:
+        """For a step that computes nothing: still free ended requests' slots and move blocks."""
+        self.slots.release(out.finished_ids)
+        self.slots.release(out.preempted_ids)
+        if out.moves_blocks:
+            self._move_blocks(out)
+
     def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swap-outs, then copy-on-write copies, then swap-ins: each reads blocks before anything this step
-        hands out again can overwrite them."""
+        """Fork copies (recorded before this step's schedule), swap-outs, copy-on-write copies, swap-ins: each
+        reads its blocks before anything handed out later in the schedule can overwrite them."""
         if self.transfer is None:
             self.transfer = BlockTransfer(self.kv_pool)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+            if out.fork_copies:
+                self.kv_pool = self.transfer.copy(self.kv_pool, out.fork_copies)
             if out.swap_out:
                 dev, host = zip(*out.swap_out)
                 self.host_pool[:, :, list(host)] = self.transfer.read(self.kv_pool, list(dev))

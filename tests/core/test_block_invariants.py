@@ -33,6 +33,18 @@ def check_invariants(s: Scheduler) -> None:
     assert set(s.kv.req_to_host_blocks) <= waiting_ids  # only preempted, waiting requests are swapped out
 
 
+def feed_held(s: Scheduler, only: int | None = None) -> None:
+    """Append the next token to idle held requests (all, or one chosen by `only`); end those at max_tokens."""
+    idle = [r for r in s.running if r.hold_output and r.num_computed_tokens == r.num_tokens]
+    if only is not None:
+        idle = idle[only % len(idle):][:1] if idle else []
+    for r in idle:
+        if r.num_output_tokens >= r.sampling_params.max_tokens:
+            s.abort_requests([r.request_id])
+        else:
+            r.output_token_ids.append(5)
+
+
 actions = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30)),
@@ -40,7 +52,9 @@ actions = st.lists(
         st.tuples(st.just("step"), st.integers(0, 20), st.just(0)),
         st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
         st.tuples(st.just("add_n"), st.integers(1, 40), st.integers(2, 4)),  # siblings fork after the prompt
-        st.tuples(st.just("fork"), st.integers(0, 30), st.just(0)),  # a running request forks (as beams do)
+        st.tuples(st.just("fork"), st.integers(0, 30), st.integers(0, 1)),  # a running request forks (shared/copied)
+        st.tuples(st.just("add_held"), st.integers(1, 40), st.integers(1, 8)),  # its owner appends each token
+        st.tuples(st.just("feed"), st.integers(0, 30), st.just(0)),  # owners append to idle held requests
     ),
     min_size=1, max_size=60,
 )
@@ -68,12 +82,22 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
             reqs[0].pending_forks = reqs[1:]
             s.add_request(reqs[0])
             ids += 1
+        elif kind == "add_held":
+            prompt_len = min(a, capacity - 1)
+            sp = SamplingParams(max_tokens=max(1, min(b, capacity - prompt_len)))
+            s.add_request(Request(f"r{ids}", [3000 + ids] * prompt_len, sp, seed=0, hold_output=True))
+            ids += 1
+        elif kind == "feed":
+            feed_held(s, only=a)
         elif kind == "fork":
             if s.running and s.num_reserved_seqs < config.max_num_seqs:
                 parent = s.running[a % len(s.running)]
                 child = Request(f"f{ids}", parent.prompt_token_ids, parent.sampling_params, seed=1,
-                                output_token_ids=list(parent.output_token_ids))
-                s.fork(parent, child, parent.num_computed_tokens)
+                                output_token_ids=list(parent.output_token_ids), hold_output=parent.hold_output)
+                # a held child (a beam) waits for its owner's token; another recomputes at least the last one
+                at = parent.num_computed_tokens if parent.hold_output else min(parent.num_computed_tokens,
+                                                                               parent.num_tokens - 1)
+                s.fork(parent, child, at, share=b % 2 == 0)
                 ids += 1
         elif kind in ("add", "add_shared"):
             prompt_len, max_tokens = min(a, capacity - 1), b
@@ -104,6 +128,7 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
         check_invariants(s)
     # drain: every request must finish, and every block must come back
     for _ in range(10_000):
+        feed_held(s)
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
