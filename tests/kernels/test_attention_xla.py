@@ -17,7 +17,8 @@ CASES = {
     "block boundary": [(15, 1), (16, 1), (32, 16), (0, 1)],
     "two continuations": [(9, 1), (20, 12), (47, 3), (0, 5)],
     "long continuations": [(20, 70), (5, 1), (33, 66), (0, 3)],  # several 64-row windows per sequence
-    "many decodes": [(c, 1) for c in (3, 90, 17, 33, 64, 1, 120, 48, 5, 77, 30)],  # more than one row group
+    "many decodes": [(c, 1) for c in (3, 90, 17, 33, 64, 1, 120, 48, 5, 77, 30, 9, 60, 100, 2, 41, 16, 15, 80, 7)],
+    # (20 rows: more than one row group)
 }
 
 
