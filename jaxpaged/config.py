@@ -208,6 +208,9 @@ class EngineArgs:
             default = f.default
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name == "preemption_mode":
+                parser.add_argument(flag, choices=("recompute", "swap"), default=default,
+                                    help="swap: preempted requests' blocks go to host memory (--swap-space GiB)")
             elif f.name in ("attention_backend", "sampler_backend"):
                 parser.add_argument(flag, choices=KERNEL_BACKENDS, default=default,
                                     help="auto: the Pallas kernel on GPU, the plain-JAX path elsewhere")
