@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
@@ -224,9 +225,10 @@ def ragged_paged_attention(
     """
     check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions)
     if not isinstance(token_seq, jax.core.Tracer):
-        seqs = [int(s) for s in token_seq if s >= 0]
-        runs = [s for i, s in enumerate(seqs) if i == 0 or s != seqs[i - 1]]
-        if len(runs) != len(set(runs)):
+        seqs = np.asarray(token_seq)
+        seqs = seqs[seqs >= 0]
+        runs = seqs[np.r_[True, seqs[1:] != seqs[:-1]]]  # first token of each run
+        if len(runs) != len(np.unique(runs)):
             raise ValueError("token_seq: each sequence's tokens must be one contiguous run of rows")
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):

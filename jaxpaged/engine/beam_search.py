@@ -4,8 +4,7 @@ The search is HF transformers' (`generate(num_beams=W, early_stopping=True)`): e
 top 2W (W x (1 + number of EOS ids) with several EOS ids) continuations of all live beams by
 cumulative logprob; those that end (EOS, or max_tokens reached) among the first W become finished
 hypotheses scored cum_logprob / length ** length_penalty, and the best W that go on become the next
-beams. A prompt is done when it has W finished hypotheses, when no live beam can beat the worst of
-them, or at max_tokens.
+beams. A prompt is done when it has W finished hypotheses (HF's early_stopping=True), or at max_tokens.
 
 Each live beam is one engine request held after every step (its sampled token is not appended);
 the search appends the chosen token. A beam chosen by several continuations forks: the children
@@ -75,7 +74,7 @@ class _Search:
 
     prompt_ids: list[int]
     beams: list[_Beam]
-    finished: list[tuple[float, BeamSearchSequence]] = field(default_factory=list)  # (score, seq), best first
+    finished: list[BeamSearchSequence] = field(default_factory=list)  # best score first, at most W
     done: bool = False
 
 
@@ -152,18 +151,13 @@ class BeamSearcher:
         gen_len = len(s.beams[0].tokens) + 1
         at_max = gen_len >= p.max_tokens
         ends = [at_max or c[2] in self.eos for c in cands]
-        full = len(s.finished) == w
-        if not full:  # candidates in the top W that end become hypotheses; keep the best W
-            new = []
-            for rank, (c, end) in enumerate(zip(cands[:w], ends[:w])):
-                if end:
-                    beam = s.beams[c[1]]
-                    seq = BeamSearchSequence(s.prompt_ids + beam.tokens + [c[2]], beam.logprobs + [c[3]], c[0],
-                                             finish_reason="length" if c[2] not in self.eos else "stop")
-                    new.append((c[0] / gen_len ** p.length_penalty, rank, seq))
-            merged = [(sc, -1, q) for sc, q in s.finished] + new  # HF keeps earlier hypotheses first on ties
-            merged.sort(key=lambda x: -x[0])
-            s.finished = [(sc, q) for sc, _, q in merged[:w]]
+        for (cum, bi, tok, entry), end in zip(cands[:w], ends[:w]):  # those in the top W that end: hypotheses
+            if end:
+                beam = s.beams[bi]
+                s.finished.append(BeamSearchSequence(
+                    s.prompt_ids + beam.tokens + [tok], beam.logprobs + [entry], cum,
+                    finish_reason="stop" if tok in self.eos else "length", score=cum / gen_len ** p.length_penalty))
+        s.finished = sorted(s.finished, key=lambda q: -q.score)[:w]  # stable: earlier hypotheses first on ties
         going = [c for c, end in zip(cands, ends) if not end][:w]
         s.done = len(s.finished) == w or at_max or not going  # early_stopping=True: done with W hypotheses
         self._advance(s, [] if s.done else going)
@@ -191,14 +185,10 @@ class BeamSearcher:
         s.beams = next_beams
 
     def _output(self, s: _Search) -> BeamSearchOutput:
-        tok = self.engine.tokenizer
-        seqs = []
-        for score, seq in s.finished:
+        for seq in s.finished:
             gen = seq.tokens[len(s.prompt_ids):]
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 gen = gen[:-1]
-            seq.text = tok.decode(gen, skip_special_tokens=True)
-            seq.score = score
-            seqs.append(seq)
-        return BeamSearchOutput(seqs)
+            seq.text = self.engine.tokenizer.decode(gen, skip_special_tokens=True)
+        return BeamSearchOutput(s.finished)
 

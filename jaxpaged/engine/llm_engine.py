@@ -160,12 +160,13 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         parent = _ParentRequest(request_id, text, ids)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        rows = self._processor_rows(params)  # read-only, shared by the n samples
         for i in range(params.n):
             seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
                           eos_token_ids=self.config.model_config.eos_token_ids,
-                          processor_rows=self._processor_rows(params))
+                          processor_rows=rows)
             parent.sequences.append(_Sequence(req, IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens)))

@@ -45,7 +45,7 @@ class BlockTransfer:
     def copy(self, kv_pool, pairs: list[tuple[int, int]]):
         """Copy block src -> dst for each pair, in order; returns the new pool."""
         src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
-        for (i, n, s), (_, _, d) in zip(self._chunks(src, 0), self._chunks(dst, self.num_blocks)):
+        for (_, _, s), (_, _, d) in zip(self._chunks(src, 0), self._chunks(dst, self.num_blocks)):
             kv_pool = self._copy(kv_pool, s, d)
         return kv_pool
 

@@ -156,10 +156,13 @@ class ModelRunner:
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
 
-    def _assign_slots(self, out: SchedulerOutput) -> np.ndarray:
-        """Free slots of ended or preempted requests; give new ones a slot (and their processor rows)."""
+    def _release_slots(self, out: SchedulerOutput) -> None:
         self.slots.release(out.finished_ids)
         self.slots.release(out.preempted_ids)
+
+    def _assign_slots(self, out: SchedulerOutput) -> np.ndarray:
+        """Free slots of ended or preempted requests; give new ones a slot (and their processor rows)."""
+        self._release_slots(out)
         reset = np.zeros(self.num_slots, bool)
         for s in out.scheduled:
             req = s.request
@@ -196,8 +199,7 @@ class ModelRunner:
 
     def prepare_idle(self, out: SchedulerOutput) -> None:
         """For a step that computes nothing: still free ended requests' slots and move blocks."""
-        self.slots.release(out.finished_ids)
-        self.slots.release(out.preempted_ids)
+        self._release_slots(out)
         if out.moves_blocks:
             self._move_blocks(out)
 

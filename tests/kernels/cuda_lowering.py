@@ -9,10 +9,7 @@ def lower_for_cuda(f, *args, device_kind: str = "NVIDIA H200") -> str:
     Newer jax asks the default device for the GPU's compute capability; on a CPU-only machine an
     abstract mesh with an abstract GPU device names it instead.
     """
-    device_cls = getattr(jax.sharding, "AbstractDevice", None)
-    if device_cls is None:  # older jax: Pallas lowers without asking for a device
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device_cls(
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind=device_kind, num_cores=None, platform="gpu"))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
