@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.gguf_import import gguf_hf_folder
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
 
@@ -47,29 +48,34 @@ def is_gguf(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
+def config_folder(path: str) -> str:
+    """The HF folder holding the config and tokenizer of `path`: itself, or a GGUF's converted metadata."""
+    if is_gguf(path):
+        return gguf_hf_folder(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model {path!r} is neither a folder with config.json nor a .gguf file")
+    return path
+
+
 def load_hf_config(path: str):
-    """The transformers config of an HF folder or a GGUF file."""
+    """The transformers config of an HF folder or a GGUF file (read without torch)."""
     from transformers import AutoConfig
 
-    if is_gguf(path):
-        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model {path!r} is neither a folder with config.json nor a .gguf file")
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(config_folder(path))
 
 
 def load_tokenizer(path: str):
-    """The tokenizer (with its chat template) of an HF folder or a GGUF file, through transformers."""
+    """The tokenizer (with its chat template) of an HF folder or a GGUF file (built without torch)."""
     from transformers import AutoTokenizer
 
-    if is_gguf(path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(config_folder(path))
 
 
 def _eos_token_ids(path: str, hf_config) -> tuple[int, ...]:
+    """EOS ids from the generation config (which may list several), else from the model config."""
     eos: Any = None
-    gen_path = os.path.join(path, "generation_config.json") if os.path.isdir(path) else None
+    folder = config_folder(path) if is_gguf(path) or os.path.isdir(path) else None
+    gen_path = os.path.join(folder, "generation_config.json") if folder else None
     if gen_path and os.path.exists(gen_path):
         with open(gen_path) as f:
             eos = json.load(f).get("eos_token_id")
