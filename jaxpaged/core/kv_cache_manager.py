@@ -46,7 +46,7 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(block_pool.hash_block_tokens(hashes[-1] if hashes else None,
                                                        request.token_ids_slice(i * bs, (i + 1) * bs)))
-        return hashes
+        return hashes[: num_tokens // bs]  # (more may be known from earlier steps: never hand out those)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that starts the request, leaving at least one token to compute."""

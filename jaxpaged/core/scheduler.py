@@ -178,7 +178,9 @@ class Scheduler:
 
         if not out.preempted_ids:  # no admissions in a step that had to preempt
             self._admit(out, budget)
-            while not out.scheduled and len(self.waiting):
+            for _ in range(len(self.running)):  # (bounded: each round preempts a different request)
+                if out.scheduled or not len(self.waiting):
+                    break
                 # Nothing runs: idle held requests (beams waiting for their siblings) may hold the blocks the
                 # waiting siblings need. Recompute the newest of them later, behind the waiting ones.
                 idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]

@@ -23,8 +23,13 @@ def check_invariants(s: Scheduler) -> None:
         assert b.ref_cnt == holders.get(b.block_id, 0), f"{b} ref count != number of holders"
     assert pool.num_free_blocks + len(holders) == pool.num_blocks - 1
     assert set(s.kv.req_to_blocks) <= {r.request_id for r in s.running}  # only running requests hold blocks
+    bs = s.kv.block_size
     for r in s.running:
-        assert len(s.kv.blocks_of(r.request_id)) * s.kv.block_size >= r.num_computed_tokens
+        assert len(s.kv.blocks_of(r.request_id)) * bs >= r.num_computed_tokens
+        for i, b in enumerate(s.kv.blocks_of(r.request_id)):  # a cached block holds what its holders hold there
+            if b.block_hash is not None:
+                assert b.block_tokens == tuple(r.token_ids_slice(i * bs, (i + 1) * bs)), f"{b} is stale for {r}"
+                assert pool.cached.get(b.block_hash) is b
     assert len(s.running) <= s.config.max_num_seqs
     host_held = [h for hs in s.kv.req_to_host_blocks.values() for h in hs]  # the host pool: free xor held, once
     assert len(host_held) == len(set(host_held)) and not set(host_held) & set(s.kv.host_free)

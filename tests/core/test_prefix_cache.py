@@ -86,3 +86,20 @@ def test_prompt_logprobs_and_penalties_skip_hits():
         s.schedule()
         assert r.num_computed_tokens == 0
         run_to_end(s)
+
+
+def test_a_preempted_held_request_whose_blocks_are_all_cached_still_computes_its_last_token():
+    """A held request (a beam) that filled whole blocks and waits for its owner's token has hashes for every
+    token. Preempted and resumed, a cache hit must still leave its last token to compute; before the fix it
+    hit everything, was never scheduled, and the deadlock breaker preempted it forever (found by the
+    property test)."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, max_model_len=256, policy="priority")
+    s = Scheduler(config, KVCacheManager(4, 1, enable_prefix_caching=True))  # 3 usable blocks of 1 token
+    held = Request("h", [30, 30], SamplingParams(max_tokens=1), seed=0, hold_output=True)
+    s.add_request(held)
+    out = s.schedule()
+    s.update_from_output(out, [7])  # computed, idle: its owner has not appended a token
+    s.add_request(Request("r", [10, 10], SamplingParams(max_tokens=1), seed=0, priority=2))  # needs 2 blocks
+    out = s.schedule()  # nothing fits: the idle held request yields its blocks and comes back first
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled][0] == ("h", 1)
+    assert held.num_computed_tokens == 1
