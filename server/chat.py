@@ -6,7 +6,7 @@ from aiohttp import web
 
 from server.state import STATE
 from server.protocol import APIError, Usage, chat_logprobs, get_field, new_id, now, sampling_params_from
-from server.streaming import SSEWriter, merged, start_all
+from server.streaming import SSEWriter, generate_all
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 
@@ -37,50 +37,49 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await state.read_json(request)
     state.check_model(body)
     messages = parse_messages(body)
+    params = sampling_params_from(body, default_max_tokens=None, chat=True)
     tok = state.engine.tokenizer
     try:
         prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"])
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
-    params = sampling_params_from(body, default_max_tokens=None, chat=True)
-    state.check_length(len(prompt), params.max_tokens)
+    state.check_length(len(prompt), params.max_tokens, where="messages")
     if params.max_tokens is None:
         params.max_tokens = state.max_model_len - len(prompt)
     rid, created = new_id("chatcmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-    gens = await start_all(state.engine, [prompt], params, rid)
-    texts, finish = [""] * params.n, [None] * params.n
-    logprobs: list[list] = [[] for _ in range(params.n)]
-    tokens: list[list[int]] = [[] for _ in range(params.n)]
-    k = params.logprobs or 0
+    n, k = params.n, params.logprobs or 0
+    texts, finish, stop_reasons = [""] * n, [None] * n, [None] * n
+    logprobs: list[list] = [[] for _ in range(n)]
+    tokens: list[list[int]] = [[] for _ in range(n)]
     completion_tokens = 0
 
     def chunk(choices, obj="chat.completion.chunk"):
         return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
 
-    sse = SSEWriter(request) if stream else None
-    if sse:
-        await sse.start()
-        await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for j in range(params.n)]))
-    async for _, out in merged(gens):
-        choices = []
-        for o in out.outputs:
-            completion_tokens += len(o.token_ids)
-            texts[o.index] += o.text
-            finish[o.index] = o.finish_reason
-            tokens[o.index] += o.token_ids
-            if o.logprobs is not None:
-                logprobs[o.index] += o.logprobs[-len(o.token_ids):] if o.token_ids else []
-            if sse and (o.text or o.finish_reason):
-                lp = (chat_logprobs(o.logprobs[-len(o.token_ids):], o.token_ids, k)
-                      if o.logprobs is not None and o.token_ids else None)
-                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {},
-                                "logprobs": lp, "finish_reason": o.finish_reason})
-        if sse and choices:
-            await sse.send(chunk(choices))
+    async with generate_all(state.engine, [prompt], params, rid) as outputs:
+        sse = SSEWriter(request) if stream else None
+        if sse:
+            await sse.start()
+            await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None} for j in range(n)]))
+        async for _, out in outputs:
+            choices = []
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                texts[o.index] += o.text
+                tokens[o.index] += o.token_ids
+                finish[o.index], stop_reasons[o.index] = o.finish_reason, o.stop_reason
+                lp = None
+                if o.logprobs is not None:
+                    logprobs[o.index] += o.logprobs
+                    lp = chat_logprobs(o.logprobs, o.token_ids, k)
+                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            if sse and choices:
+                await sse.send(chunk(choices))
     usage = Usage(len(prompt), completion_tokens)
     if sse:
         if include_usage:
@@ -88,5 +87,5 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return await sse.done()
     choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]},
                 "logprobs": chat_logprobs(logprobs[j], tokens[j], k) if params.logprobs is not None else None,
-                "finish_reason": finish[j]} for j in range(params.n)]
+                "finish_reason": finish[j], "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

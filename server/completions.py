@@ -15,7 +15,7 @@ from server.protocol import (
     prompt_logprobs_json,
     sampling_params_from,
 )
-from server.streaming import SSEWriter, merged, start_all
+from server.streaming import SSEWriter, generate_all
 
 
 def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
@@ -46,20 +46,19 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
     state.check_model(body)
-    prompts = parse_prompts(body, state.engine.tokenizer)
     params = sampling_params_from(body, default_max_tokens=16)
+    prompts = parse_prompts(body, state.engine.tokenizer)
     for p in prompts:
-        state.check_length(len(p), params.max_tokens)
+        state.check_length(len(p), params.max_tokens, where="prompt")
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-    gens = await start_all(state.engine, prompts, params, rid)
     n = params.n
-    texts = [[""] * n for _ in prompts]
-    finish = [[None] * n for _ in prompts]
-    tokens = [[[] for _ in range(n)] for _ in prompts]
-    logprobs = [[[] for _ in range(n)] for _ in prompts]
-    tok = state.engine.tokenizer
+    # Choice index = prompt index * n + sample index (vLLM's order).
+    texts = [""] * (len(prompts) * n)
+    finish: list = [None] * len(texts)
+    stop_reasons: list = [None] * len(texts)
+    logprobs: list = [None if params.logprobs is None else completion_logprobs([], []) for _ in texts]
     prompt_lps: list = [None] * len(prompts)
     completion_tokens = 0
 
@@ -67,35 +66,33 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices}
 
-    sse = SSEWriter(request) if stream else None
-    if sse:
-        await sse.start()
-    async for i, out in merged(gens):
-        if out.prompt_logprobs is not None:
-            prompt_lps[i] = prompt_logprobs_json(out.prompt_logprobs)
-        choices = []
-        for o in out.outputs:
-            completion_tokens += len(o.token_ids)
-            texts[i][o.index] += o.text
-            finish[i][o.index] = o.finish_reason
-            tokens[i][o.index] += o.token_ids
-            delta_lp = o.logprobs[-len(o.token_ids):] if o.logprobs is not None and o.token_ids else None
-            if delta_lp:
-                logprobs[i][o.index] += delta_lp
-            if sse and (o.text or o.finish_reason):
-                choices.append({"index": i * n + o.index, "text": o.text,
-                                "logprobs": completion_logprobs(delta_lp, o.token_ids, tok) if delta_lp else None,
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-        if sse and choices:
-            await sse.send(chunk(choices))
+    async with generate_all(state.engine, prompts, params, rid) as outputs:
+        sse = SSEWriter(request) if stream else None
+        if sse:
+            await sse.start()
+        async for i, out in outputs:
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = prompt_logprobs_json(out.prompt_logprobs)
+            choices = []
+            for o in out.outputs:
+                c = i * n + o.index
+                completion_tokens += len(o.token_ids)
+                lp = None
+                if o.logprobs is not None:
+                    lp = completion_logprobs(o.logprobs, o.token_ids, text_offset=len(texts[c]))
+                    for key in lp:
+                        logprobs[c][key] += lp[key]
+                texts[c] += o.text
+                finish[c], stop_reasons[c] = o.finish_reason, o.stop_reason
+                choices.append({"index": c, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason})
+            if sse and choices:
+                await sse.send(chunk(choices))
     usage = Usage(sum(len(p) for p in prompts), completion_tokens)
     if sse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
-    want_lp = params.logprobs is not None
-    choices = [{"index": i * n + j, "text": texts[i][j], "finish_reason": finish[i][j],
-                "logprobs": completion_logprobs(logprobs[i][j], tokens[i][j], tok) if want_lp else None,
-                "prompt_logprobs": prompt_lps[i]}
-               for i in range(len(prompts)) for j in range(n)]
+    choices = [{"index": c, "text": texts[c], "finish_reason": finish[c], "stop_reason": stop_reasons[c],
+                "logprobs": logprobs[c], "prompt_logprobs": prompt_lps[c // n]} for c in range(len(texts))]
     return web.json_response({**chunk(choices), "usage": usage.to_dict()})

@@ -52,10 +52,41 @@ def requested_logprobs(body: dict, *, chat: bool) -> int | None:
     return get_field(body, "logprobs", (int,), None)
 
 
+# Fields that would change what the user gets, which jaxpaged does not implement yet: rejected, never ignored.
+_UNSUPPORTED = {
+    "echo": "'echo' is not supported",
+    "suffix": "'suffix' is not supported",
+    "tools": "tool calling ('tools') is not supported",
+    "functions": "function calling ('functions') is not supported",
+    "function_call": "function calling ('function_call') is not supported",
+    "guided_json": "structured output ('guided_json') is not supported yet",
+    "guided_regex": "structured output ('guided_regex') is not supported yet",
+    "guided_choice": "structured output ('guided_choice') is not supported yet",
+    "guided_grammar": "structured output ('guided_grammar') is not supported yet",
+    "structured_outputs": "structured output ('structured_outputs') is not supported yet",
+}
+
+
+def reject_unsupported(body: dict) -> None:
+    """A 400 naming the first field that asks for something jaxpaged cannot do (an absent, null, false or
+    empty field asks for nothing; tool_choice 'none' and response_format 'text' are the defaults)."""
+    for name, message in _UNSUPPORTED.items():
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise APIError(message, param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schema) is not "
+                       "supported yet", param="response_format")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise APIError("tool calling ('tool_choice') is not supported", param="tool_choice")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise APIError("'best_of' is not supported (use n)", param="best_of")
+
+
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    if body.get("echo"):
-        raise APIError("'echo' is not supported", param="echo")
+    reject_unsupported(body)
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", (int,), default_max_tokens)
@@ -101,21 +132,31 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def completion_logprobs(logprobs, token_ids: list[int], tokenizer) -> dict | None:
-    """The legacy completions `logprobs` object for one delta."""
-    if logprobs is None:
-        return None
-    tokens = tokenizer.convert_ids_to_tokens(token_ids)
-    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, logprobs)],
-            "top_logprobs": [{x.decoded_token: x.logprob for x in e.values()} for e in logprobs],
-            "text_offset": []}
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a masked token's logprob is reported as -9999.0, as vLLM does."""
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(logprobs, token_ids: list[int], text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object for these tokens (decoded strings, as vLLM); `text_offset`
+    is where the first token's text starts in the choice's text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for t, entry in zip(token_ids, logprobs):
+        text = entry[t].decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(_finite(entry[t].logprob))
+        top.append({x.decoded_token: _finite(x.logprob) for x in entry.values()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def prompt_logprobs_json(entries) -> list | None:
     """vLLM's `prompt_logprobs` in JSON: null, then {token_id: {logprob, rank, decoded_token}} per token."""
     if entries is None:
         return None
-    return [None if e is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": x.decoded_token}
+    return [None if e is None else {str(t): {"logprob": _finite(x.logprob), "rank": x.rank,
+                                             "decoded_token": x.decoded_token}
                                     for t, x in e.items()} for e in entries]
 
 
@@ -126,7 +167,7 @@ def chat_logprobs(logprobs, token_ids: list[int], k: int) -> dict | None:
 
     def item(lp):
         tok = lp.decoded_token or ""
-        return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace"))}
+        return {"token": tok, "logprob": _finite(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
 
     content = []
     for t, e in zip(token_ids, logprobs):

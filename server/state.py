@@ -39,13 +39,14 @@ class ServerState:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            err_type="NotFoundError")
 
-    def check_length(self, prompt_len: int, max_tokens: int | None) -> None:
+    def check_length(self, prompt_len: int, max_tokens: int | None, *, where: str) -> None:
+        """OpenAI's context-length error; `where` names the input ("prompt" or "messages")."""
         total = prompt_len + (max_tokens or 0)
         if prompt_len >= self.max_model_len or total > self.max_model_len:
             raise APIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({prompt_len} in the messages, {max_tokens or 0} in the completion).",
-                param="max_tokens" if prompt_len < self.max_model_len else "prompt")
+                f"{total} tokens ({prompt_len} in the {where}, {max_tokens or 0} in the completion).",
+                param="max_tokens" if prompt_len < self.max_model_len else where)
 
 
 STATE = web.AppKey("state", ServerState)

@@ -3,56 +3,62 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.async_llm import AsyncLLM, RequestStream
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from server.protocol import APIError
 
 
-async def start_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str
-                    ) -> list[AsyncIterator[RequestOutput]]:
-    """Add every prompt to the engine (delta outputs); bad input raises APIError before any is left running."""
-    gens = []
-    try:
-        for i, p in enumerate(prompts):
-            gen = engine.generate(p, params, f"{request_id}-{i}", delta=True)
-            first = await gen.__anext__()  # validates and queues the request
-            gens.append(_prepend(first, gen))
-    except ValueError as e:
-        for g in gens:
-            await g.aclose()
-        raise APIError(str(e), param="prompt" if "prompt" in str(e) else None) from None
-    return gens
+@contextlib.asynccontextmanager
+async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str):
+    """Queue every prompt (delta outputs), then yield an iterator of (prompt index, output) as they arrive.
 
-
-async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+    Bad input raises APIError before any prompt is left running. Leaving the block for any reason (done,
+    error, client gone, cancellation) aborts whatever has not finished, at once.
+    """
+    streams: list[RequestStream] = []
+    merged = None
     try:
-        yield first
-        async for out in gen:
-            yield out
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True))
+        except ValueError as e:
+            head = str(e).split(":", 1)[0]
+            raise APIError(str(e), param=head if re.fullmatch(r"[a-z_]+", head) else None) from None
+        merged = _merged(streams)
+        yield merged
     finally:
-        await gen.aclose()
+        if merged is not None:
+            await merged.aclose()
+        for s in streams:
+            s.close()
 
 
-async def merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta output) from all generators as they arrive; closing this aborts the rest."""
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
     q: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i, gen):
+    async def pump(i: int, stream: RequestStream) -> None:
         try:
-            async for out in gen:
+            async for out in stream:
                 await q.put((i, out))
         except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
             await q.put((i, e))
         finally:
             await q.put((i, None))
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)
     try:
         while remaining:

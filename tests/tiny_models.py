@@ -21,6 +21,33 @@ def make_tokenizer():
                                    chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
 
 
+BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_byte_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2's byte alphabet, so ' ' is the piece 'Ġ') over 3 specials + 256 bytes +
+    a few merges: VOCAB_BYTES tokens. Any text round-trips; pieces differ from decoded text, as in real models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]
+    vocab = {t: i for i, t in enumerate(BYTE_SPECIALS + alphabet)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(BYTE_SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   chat_template="{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
+                                                 "{% endfor %}<|im_start|>")
+
+
+VOCAB_BYTES = len(BYTE_SPECIALS) + 256 + 5
+
+
 def tiny_config(arch: str):
     """A 2-layer, hidden-64, GQA config of the given architecture."""
     import transformers
@@ -37,8 +64,15 @@ def tiny_config(arch: str):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "mistral-window":  # each token sees itself and the 7 before it
+        return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=8)
+    if arch == "llama-long":  # a long context, for streams that outlast what a test waits for
+        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 8192}, tie_word_embeddings=False)
     if arch == "llama-tied":
         return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "llama-bytes":  # the byte-level tokenizer's vocabulary; EOS is <|im_end|>
+        return transformers.LlamaConfig(**{**common, "vocab_size": VOCAB_BYTES, "bos_token_id": 1, "eos_token_id": 2},
+                                        tie_word_embeddings=False)
     raise ValueError(arch)
 
 
@@ -56,7 +90,7 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer().save_pretrained(path)
+    (make_byte_tokenizer() if arch == "llama-bytes" else make_tokenizer()).save_pretrained(path)
     return path
 
 

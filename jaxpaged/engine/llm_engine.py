@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import CacheConfig, EngineArgs, EngineConfig, resolve_kernel_backend
+from jaxpaged.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_kernel_backend,
+)
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -73,6 +82,31 @@ class _ParentRequest:
         return all(s.request.finished for s in self.sequences)
 
 
+class ModelSetup(NamedTuple):
+    """What is known before the weights load: enough to validate prompts cheaply."""
+
+    path: str
+    model_config: ModelConfig
+    tokenizer: Any
+    scheduler_config: SchedulerConfig
+
+
+def prepare_model(args: EngineArgs) -> ModelSetup:
+    """Validate the flags, read the model's config and tokenizer (seconds, no weights, no compile)."""
+    args.validate()
+    path = args.model or default_model_path()
+    model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype())
+    tokenizer = load_tokenizer(args.tokenizer or path)
+    return ModelSetup(path, model_config, tokenizer, args.scheduler_config(model_config.max_position_embeddings))
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt: {num_tokens} tokens leave no room to generate within max_model_len="
+                         f"{max_model_len}")
+
+
 @dataclass
 class EngineStats:
     """Counters since start, for logs, benchmarks and metrics."""
@@ -102,16 +136,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.metrics = EngineMetrics()
+        # A token's text as vLLM reports it in logprobs: the token decoded alone (' Paris', not 'ĠParis').
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load the model and tokenizer, size the KV pool, build and warm up the engine."""
-        args.validate()
-        path = args.model or default_model_path()
-        hf_config = load_hf_config(path)
-        model_config = model_config_from_hf(path, hf_config, args.resolved_dtype())
-        tokenizer = load_tokenizer(args.tokenizer or path)
-        sched = args.scheduler_config(model_config.max_position_embeddings)
+    def from_engine_args(cls, args: EngineArgs, setup: ModelSetup | None = None) -> LLMEngine:
+        """Load the model and tokenizer, size the KV pool, build and warm up the engine.
+
+        `setup` (from `prepare_model`) skips reading the config and tokenizer again.
+        """
+        path, model_config, tokenizer, sched = setup or prepare_model(args)
         t0 = time.perf_counter()
         attention_backend = resolve_kernel_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
@@ -235,9 +269,7 @@ class LLMEngine:
             raise ValueError("prompt: the prompt is empty")
         if any(not isinstance(t, (int, np.integer)) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(ids) >= sc.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len="
-                             f"{sc.max_model_len}")
+        check_prompt_length(len(ids), sc.max_model_len)
         longest = min(len(ids) + (params.max_tokens or sc.max_model_len), sc.max_model_len)
         if cdiv(longest, cc.block_size) > cc.num_blocks - 1:
             raise ValueError(f"prompt: {longest} tokens (prompt + max_tokens) need more KV blocks than the pool has "
@@ -253,8 +285,10 @@ class LLMEngine:
             children = [s.request.request_id for s in parent.sequences]
             for s in parent.sequences:
                 s.request.pending_forks = []
-                if not s.request.finished and s.request.request_id not in self.scheduler.requests:
-                    s.request.status = RequestStatus.FINISHED_ABORTED  # a sibling that never forked
+                if not s.request.finished:
+                    self.metrics.success.labels(finished_reason="abort").inc()
+                    if s.request.request_id not in self.scheduler.requests:
+                        s.request.status = RequestStatus.FINISHED_ABORTED  # a sibling that never forked
             self.scheduler.abort_requests(children)
             for c in children:
                 self._child_to_parent.pop(c, None)
@@ -352,7 +386,7 @@ class LLMEngine:
         """vLLM's `logprobs` (one {token_id: Logprob} per generated token) and `cumulative_logprob`."""
         if req.sampling_params.logprobs is None:
             return {}
-        decode = self.tokenizer.convert_ids_to_tokens
+        decode = self.token_text
         entries = []
         for tok, (lp, rank, top_ids, top_lps) in zip(req.output_token_ids, req.output_logprobs):
             entry = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
@@ -365,7 +399,7 @@ class LLMEngine:
         k = req.sampling_params.prompt_logprobs
         if k is None or len(req.prompt_logprob_rows) < len(req.prompt_token_ids) - 1:
             return None
-        decode = self.tokenizer.convert_ids_to_tokens
+        decode = self.token_text
         entries: list = [None]
         for tok, lp, rank, top_ids, top_lps in req.prompt_logprob_rows:
             entry = {int(t): Logprob(float(v), r + 1, decode(int(t))) for r, (t, v) in
