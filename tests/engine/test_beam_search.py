@@ -108,9 +108,10 @@ def test_more_prompts_than_max_num_seqs_holds_beams(model_with_frequent_eos, llm
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_beam_search_under_block_pressure_with_swap(model_with_frequent_eos, llm_and_hf, share):
-    """A pool too small for all beams: beams are preempted (swapped, or recomputed when held) and forks may
-    copy; the results are still HF's."""
+def test_beam_search_under_block_pressure_recomputes_held_beams(model_with_frequent_eos, llm_and_hf, share):
+    """A pool too small for all beams, in swap mode: held beams are never swapped (a beam may be forked while it
+    waits, and a swapped copy would not follow), so they are preempted by recompute, and forks may copy; the
+    results are still HF's."""
     path, eos = model_with_frequent_eos
     _, hf, _ = llm_and_hf
     llm = LLM(path, num_kv_blocks=10, max_num_batched_tokens=64, compile_guard=True, preemption_mode="swap",
@@ -118,6 +119,6 @@ def test_beam_search_under_block_pressure_with_swap(model_with_frequent_eos, llm
     outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=12), use_tqdm=False)
     for ids, out in zip(PROMPTS, outs):
         assert [s.tokens[len(ids):] for s in out.sequences] == [g for g, _ in hf_beam_search(hf, ids, 3, 12, eos, 1.0)]
-    kv = llm.engine.kv_cache_manager
-    assert llm.engine.scheduler.num_preemptions > 0
+    kv, sched = llm.engine.kv_cache_manager, llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.num_swaps == 0
     assert kv.num_free_blocks == 9 and len(kv.host_free) == kv.num_host_blocks

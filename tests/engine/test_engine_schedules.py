@@ -113,9 +113,20 @@ def test_stop_conditions(tiny_model_dir, expected):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
 
 
-def test_eos_comes_from_the_generation_config(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64)
-    assert llm.engine.config.model_config.eos_token_ids == (2,)
+def test_eos_comes_from_the_generation_config(tiny_model_dir, tmp_path):
+    """config.json says EOS is 2; generation_config.json lists 7 and 9 (as Llama 3 lists two): the latter wins,
+    and generation stops at either."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_dir("llama"), tmp_path / "model")
+    with open(path / "generation_config.json", "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": [7, 9]}, f)
+    llm = LLM(str(path), num_kv_blocks=64)
+    assert llm.engine.config.model_config.eos_token_ids == (7, 9)
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=8, logit_bias={9: 100.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [9] and out.finish_reason == "stop"
 
 
 def test_bad_input_raises_named_errors(tiny_model_dir):

@@ -124,3 +124,37 @@ def test_skip_special_tokens(llm):
     hidden = llm.generate([PROMPT], SamplingParams(**forced), use_tqdm=False)[0]
     assert shown.outputs[0].token_ids == [2, 2, 2] == hidden.outputs[0].token_ids
     assert shown.outputs[0].text.split() == ["</s>"] * 3 and hidden.outputs[0].text.strip() == ""
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(tiny_model_dir):
+    """Step by step, each output's text is a prefix of the final text: a tail that may still become a stop
+    string (one spanning two tokens here) is held back until it is known not to; with n=3, each sample has its
+    own stop point."""
+    from jaxpaged import LLMEngine
+    from jaxpaged.config import EngineArgs
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=64,
+                                                   max_num_batched_tokens=64, compile_guard=True))
+    free = SamplingParams(n=3, temperature=1.0, seed=17, max_tokens=12, ignore_eos=True)
+    engine.add_request("free", PROMPT, free)
+    texts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts = {o.index: o.text for o in out.outputs}
+    words = texts[0].split(" ")
+    stops = [words[4][-2:] + " " + words[5][:2]]  # spans two tokens of sample 0
+    engine.add_request("stopped", PROMPT, SamplingParams(n=3, temperature=1.0, seed=17, max_tokens=12,
+                                                         ignore_eos=True, stop=stops))
+    seen: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for o in out.outputs:
+                seen[o.index].append(o.text)
+            final = out
+    for o in final.outputs:
+        cut = texts[o.index].find(stops[0])
+        assert o.text == (texts[o.index] if cut < 0 else texts[o.index][:cut])
+        assert o.finish_reason == ("stop" if cut >= 0 else "length")
+        assert all(o.text.startswith(t) for t in seen[o.index]), f"sample {o.index} showed text it took back"
+    assert final.outputs[0].finish_reason == "stop"

@@ -52,7 +52,10 @@ def test_kernel_bfloat16():
     x = make_step(np.random.default_rng(5), CASES["mixed"], group=4, kh=2, d=64, table_width=8, num_blocks=24,
                   dtype=jnp.bfloat16)
     got, ref = run_both(x)
-    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)  # P is rounded to bf16 before the P.V matmul
+    # bf16 keeps 8 significant bits (relative step 2^-8): the kernel accumulates in float32 and rounds P to bf16
+    # before P.V and the output once, measured at 7.8e-3 at most here (half a step at |x| ~ 3). 8e-3 relative
+    # + 8e-3 absolute is about two steps; leaving out any one key of a row moves its output by up to 4.5 here.
+    np.testing.assert_allclose(got, ref, rtol=8e-3, atol=8e-3)
 
 
 def test_any_order_of_sequences_and_of_positions_within_one():

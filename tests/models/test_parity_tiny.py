@@ -8,7 +8,7 @@ from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits
 from tests.tiny_models import load_hf_model
 
-ARCHS = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "mistral", "mistral-window"]  # (window 8 against prompts up to 100 tokens)
 PROMPT_LENS = [1, 5, 16, 17, 31, 40, 64, 100]
 
 
