@@ -1,0 +1,162 @@
+"""OpenAI request validation and response shapes, without a server: every field, every error, exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxpaged.request import Logprob
+from jaxpaged.sampling_params import SamplingParams
+from server.protocol import (
+    APIError,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    get_field,
+    prompt_logprobs_json,
+    reject_unsupported,
+    requested_logprobs,
+    sampling_params_from,
+)
+
+
+def error_of(fn, *args, **kw) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*args, **kw)
+    return e.value
+
+
+def test_api_error_body():
+    e = APIError("bad", status=404, param="model", err_type="NotFoundError")
+    assert e.body() == {"error": {"message": "bad", "type": "NotFoundError", "param": "model", "code": 404}}
+    d = APIError("x")
+    assert (d.status, d.param, d.err_type) == (400, None, "BadRequestError")
+
+
+def test_get_field():
+    assert get_field({"a": 3}, "a", (int,)) == 3
+    assert get_field({}, "a", (int,), 7) == 7
+    assert get_field({"a": None}, "a", (int,), 7) == 7
+    assert get_field({"a": None}, "a", (int, type(None)), 7, nullable=False) is None
+    e = error_of(get_field, {}, "a", (int,))
+    assert e.param == "a" and e.message == "'a' is a required field"
+    e = error_of(get_field, {"a": True}, "a", (int, float))
+    assert e.param == "a" and e.message == "'a' must be int or float, got a boolean"
+    assert get_field({"a": True}, "a", (bool,)) is True
+    e = error_of(get_field, {"a": "3"}, "a", (int, float))
+    assert e.message == "'a' must be int or float, got str" and e.param == "a"
+
+
+def test_requested_logprobs():
+    assert requested_logprobs({}, chat=False) is None
+    assert requested_logprobs({"logprobs": 3}, chat=False) == 3
+    assert requested_logprobs({"logprobs": 0}, chat=False) == 0
+    assert requested_logprobs({}, chat=True) is None
+    assert requested_logprobs({"logprobs": False}, chat=True) is None
+    assert requested_logprobs({"logprobs": True}, chat=True) == 0
+    assert requested_logprobs({"logprobs": True, "top_logprobs": 4}, chat=True) == 4
+    e = error_of(requested_logprobs, {"top_logprobs": 2}, chat=True)
+    assert e.param == "top_logprobs" and e.message == "'top_logprobs' needs 'logprobs': true"
+    assert requested_logprobs({"top_logprobs": 0}, chat=True) is None
+
+
+def test_sampling_params_from_every_field():
+    body = {"n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 4, "max_tokens": 9, "min_tokens": 2,
+            "ignore_eos": True, "stop_token_ids": [5], "stop": "x", "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "spaces_between_special_tokens": False, "logprobs": 2,
+            "prompt_logprobs": 1, "repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": -0.2,
+            "min_p": 0.05, "logit_bias": {"5": 2}, "allowed_token_ids": [1, 2], "bad_words": ["w"]}
+    p = sampling_params_from(body, default_max_tokens=16)
+    want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, seed=4, max_tokens=9, min_tokens=2,
+                          ignore_eos=True, stop_token_ids=[5], stop=["x"], include_stop_str_in_output=True,
+                          skip_special_tokens=False, spaces_between_special_tokens=False, logprobs=2,
+                          prompt_logprobs=1, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=-0.2,
+                          min_p=0.05, logit_bias={5: 2.0}, allowed_token_ids=[1, 2], bad_words=["w"])
+    assert p == want
+
+
+def test_sampling_params_defaults_and_max_tokens():
+    assert sampling_params_from({}, default_max_tokens=16) == SamplingParams(max_tokens=16)
+    assert sampling_params_from({}, default_max_tokens=None).max_tokens is None
+    assert sampling_params_from({"max_tokens": 5, "max_completion_tokens": 3}, default_max_tokens=16).max_tokens == 3
+    assert sampling_params_from({"max_completion_tokens": None, "max_tokens": 5},
+                                default_max_tokens=16).max_tokens == 5
+    assert sampling_params_from({"logprobs": True, "top_logprobs": 2}, default_max_tokens=1, chat=True).logprobs == 2
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"min_p": 2}, "min_p"), ({"logprobs": 21}, "logprobs"), ({"top_k": "3"}, "top_k"), ({"seed": 1.5}, "seed"),
+    ({"stop": 3}, "stop"), ({"logit_bias": []}, "logit_bias"), ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_bad_sampling_values_name_their_field(body, param):
+    e = error_of(sampling_params_from, body, default_max_tokens=16)
+    assert e.status == 400 and e.param == param and param in e.message
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
+    ({"guided_json": {}}, None), ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": ["a"]}, "guided_choice"), ({"guided_grammar": "g"}, "guided_grammar"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"response_format": "json"}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"),
+])
+def test_unsupported_fields_are_rejected_by_name(body, param):
+    if param is None:  # an empty value asks for nothing
+        reject_unsupported(body)
+        return
+    e = error_of(reject_unsupported, body)
+    assert e.param == param and "not supported" in e.message and e.status == 400
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"echo": False}, {"suffix": ""}, {"tools": []}, {"tools": None}, {"response_format": {"type": "text"}},
+    {"tool_choice": "none"}, {"tool_choice": "auto"}, {"best_of": 1}, {"best_of": 2, "n": 2},
+    {"best_of": None}, {"n": None, "best_of": 1},
+])
+def test_defaults_of_unsupported_fields_are_accepted(body):
+    reject_unsupported(body)
+
+
+def test_usage():
+    assert Usage(3, 4).to_dict() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def entry(token, lp, rank, text, alts=()):
+    e = {t: Logprob(v, r, s) for t, v, r, s in alts}
+    e[token] = Logprob(lp, rank, text)
+    return e
+
+
+def test_completion_logprobs():
+    lps = [entry(5, -0.5, 1, " the", [(6, -1.5, 2, " a")]), entry(7, -math.inf, 3, "cat", [(8, -0.1, 1, "dog")])]
+    got = completion_logprobs(lps, [5, 7], text_offset=10)
+    assert got == {"tokens": [" the", "cat"], "token_logprobs": [-0.5, -9999.0],
+                   "top_logprobs": [{" a": -1.5, " the": -0.5}, {"dog": -0.1, "cat": -9999.0}],
+                   "text_offset": [10, 14]}
+    assert completion_logprobs([], []) == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_chat_logprobs():
+    lps = [entry(5, -0.5, 2, " é", [(6, -0.25, 1, " a"), (9, -3.0, 3, "z")])]
+    got = chat_logprobs(lps, [5], 2)
+    assert got == {"content": [{"token": " é", "logprob": -0.5, "bytes": [32, 195, 169], "top_logprobs": [
+        {"token": " a", "logprob": -0.25, "bytes": [32, 97]}, {"token": " é", "logprob": -0.5, "bytes": [32, 195, 169]},
+    ]}]}
+    assert chat_logprobs(None, [5], 2) is None
+    assert chat_logprobs(lps, [5], 0)["content"][0]["top_logprobs"] == []
+    unranked = [{5: Logprob(-0.5, None, "a"), 6: Logprob(-0.7, 1, "b")}]
+    assert chat_logprobs(unranked, [5], 3)["content"][0]["top_logprobs"] == [{"token": "b", "logprob": -0.7,
+                                                                             "bytes": [98]}]
+    assert chat_logprobs([{5: Logprob(-1.0, 1, None)}], [5], 1)["content"][0]["token"] == ""
+    assert completion_logprobs([{5: Logprob(-1.0, 1, None)}], [5])["tokens"] == [""]
+
+
+def test_prompt_logprobs_json():
+    assert prompt_logprobs_json(None) is None
+    got = prompt_logprobs_json([None, {4: Logprob(-math.inf, 7, "x")}])
+    assert got == [None, {"4": {"logprob": -9999.0, "rank": 7, "decoded_token": "x"}}]
