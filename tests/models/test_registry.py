@@ -1,6 +1,7 @@
 """Model resolution: architectures, rope forms, the default model, and clear errors."""
 
 import importlib.util
+import os
 import types
 
 import numpy as np
@@ -52,3 +53,26 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
 def test_missing_model_path_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a folder"):
         registry.load_hf_config(str(tmp_path / "nope"))
+
+
+def test_dummy_load_format_needs_only_a_config(tiny_model_dir, tmp_path):
+    """load_format="dummy": random weights from config.json alone (benchmarks); the real loader refuses the folder."""
+    import shutil
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.models.llama import param_shapes
+
+    src = tiny_model_dir("llama")
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), tmp_path)
+    cfg = registry.model_config_from_hf(str(tmp_path), registry.load_hf_config(str(tmp_path)), "bfloat16")
+    weights = registry.dummy_weights(cfg)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == param_shapes(cfg)
+    assert all(str(v.dtype) == "bfloat16" for v in weights.values())
+    assert float(weights["final_norm"].astype("float32").min()) == 1.0 and 0.015 < float(weights["embed"].std()) < 0.025
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(tmp_path), num_kv_blocks=32, max_num_batched_tokens=16)
+    llm = LLM(str(tmp_path), load_format="dummy", num_kv_blocks=32, max_num_batched_tokens=16, compile_guard=True)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
