@@ -43,7 +43,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens scheduled so far (counted when scheduled, before the step runs)
+    num_output_placeholders: int = 0  # tokens being drawn by scheduled steps whose results are not in yet
+    needs_full_table: bool = False  # (scheduler) the runner gets the whole block table with the next step
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -34,6 +34,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.req_to_hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self.req_to_num_cached: dict[str, int] = {}  # leading blocks of each request made findable so far
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found
         self.pending_copies: list[BlockCopy] = []  # copy-on-write copies the next step must do first
@@ -89,10 +90,16 @@ class KVCacheManager:
         new = self.pool.get_new_blocks(need)
         blocks.extend(new)
         if self.enable_prefix_caching:
+            # Full blocks whose tokens are all known (a placeholder for a token still being drawn is not) become
+            # findable; a block completed by a placeholder is cached on a later call, once the token is known.
             bs = self.block_size
-            hashes = self._block_hashes(request, total)
-            for i in range((total - num_new_tokens) // bs, total // bs):  # blocks this step fills
-                self.pool.cache_block(blocks[i], hashes[i], tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            done = self.req_to_num_cached.get(request.request_id, len(computed_blocks))
+            full = min(total, request.num_tokens) // bs
+            if full > done:
+                hashes = self._block_hashes(request, full * bs)
+                for i in range(done, full):
+                    self.pool.cache_block(blocks[i], hashes[i], tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+                self.req_to_num_cached[request.request_id] = full
         return new
 
     def _shared_written_blocks(self, request_id: str, start: int, total: int) -> list[int]:
@@ -141,6 +148,7 @@ class KVCacheManager:
         """Move the request's blocks to host blocks: returns (device block, host block) pairs to copy, and
         drops its device references (shared blocks stay with their other holders)."""
         blocks = self.req_to_blocks.pop(request.request_id)
+        self.req_to_num_cached.pop(request.request_id, None)  # (its blocks come back as new ones)
         host = [self.host_free.pop() for _ in blocks]
         self.req_to_host_blocks[request.request_id] = host
         self.pool.free_blocks(reversed(blocks))
@@ -167,6 +175,7 @@ class KVCacheManager:
         the longest."""
         self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_num_cached.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
         if request.finished:
             self.req_to_hashes.pop(request.request_id, None)

@@ -1,14 +1,24 @@
 """Continuous batching with one token budget per step (vLLM v1's scheduler, kept short).
 
-Each request has `num_computed_tokens` catching up to `num_tokens`. A step gives running
-requests their tokens first (1 for decode, the rest of a chunk for a prefill), then admits
-waiting requests while budget, sequence slots and blocks last. When blocks run out, the
-newest (or lowest-priority) running request is preempted by recompute.
+Each request has `num_computed_tokens` catching up to its tokens. A step gives running requests
+their tokens first (1 for decode, the rest of a chunk for a prefill), then admits waiting requests
+while budget, sequence slots and blocks last. When blocks run out, the newest (or lowest-priority)
+running request is preempted (recompute, or swap to host memory).
 
-Forks share blocks: an n > 1 request runs as its first sample until the prompt is computed, then
-its siblings fork from it (sharing every block of the prompt but the last token, which each
-recomputes for its own logits); beam search forks held requests. A shared block that a request is
-about to write is copied first (copy-on-write): the copies travel in `SchedulerOutput.block_copies`.
+`schedule()` counts the scheduled tokens as computed at once, and a step that reaches a request's
+last token leaves a placeholder for the token it will draw (`num_output_placeholders`). With async
+scheduling the next step is scheduled before this one's tokens are known: the placeholder position
+is scheduled like any other, and the runner feeds the drawn token on the device. `update_from_output`
+then replaces placeholders with tokens and applies the stop rules. In synchronous use placeholders are
+resolved before the next `schedule()`.
+
+Forks share blocks: an n > 1 request runs as its first sample until the prompt is computed, then its
+siblings fork from it (sharing every block of the prompt but the last token, which each recomputes for
+its own logits); beam search forks held requests. A shared block that a request is about to write is
+copied first (copy-on-write): the copies travel in `SchedulerOutput.block_copies`.
+
+What the runner needs travels as changes: a request's whole block table only when it (re)enters the
+batch or copy-on-write replaced a block, else just the blocks added this step.
 """
 
 from __future__ import annotations
@@ -24,18 +34,16 @@ from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager
 from jaxpaged.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: its next `num_new_tokens` tokens, and its whole block table."""
+    """One request's share of a step: tokens [start, start + num_new_tokens), and its block-table changes."""
 
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so it yields a new token)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    start: int  # num_computed_tokens before this step
+    samples: bool  # the step reaches the end of the request's tokens, so it draws the next one
+    block_ids: list[int] | None = None  # the whole table, when the request (re)enters the batch or a block changed
+    new_block_ids: list[int] = field(default_factory=list)  # else: blocks appended this step
 
 
 @dataclass
@@ -44,7 +52,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their slots)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their rows)
     fork_copies: list[BlockCopy] = field(default_factory=list)  # forks by copy since the last step: done first
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
@@ -148,7 +156,7 @@ class Scheduler:
     @property
     def num_reserved_seqs(self) -> int:
         """Running requests plus the siblings they will fork: what counts against max_num_seqs."""
-        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running if r.pending_forks)
 
     @property
     def num_waiting(self) -> int:
@@ -162,12 +170,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n == 0:  # a held request waiting for its owner's next token
+            n = min(self._num_to_compute(req), budget)
+            if n <= 0:  # a held request waiting for its owner's token, or one at its limit with a token in flight
                 i += 1
                 continue
-            if self.kv.allocate_slots(req, n) is not None:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            copies = len(self.kv.pending_copies)
+            new = self.kv.allocate_slots(req, n)
+            if new is not None:
+                self._schedule(out, req, n, new, full_table=len(self.kv.pending_copies) != copies)
                 budget -= n
                 i += 1
                 continue
@@ -183,7 +193,8 @@ class Scheduler:
                     break
                 # Nothing runs: idle held requests (beams waiting for their siblings) may hold the blocks the
                 # waiting siblings need. Recompute the newest of them later, behind the waiting ones.
-                idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+                idle = [r for r in self.running if r.hold_output and self._num_to_compute(r) == 0
+                        and not r.num_output_placeholders]
                 if not idle:
                     break
                 self._preempt(idle[-1], out, front=False)
@@ -192,11 +203,45 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
+    def _num_to_compute(self, req: Request) -> int:
+        """Tokens (placeholders included) not yet scheduled; 0 when a token in flight may already be its last."""
+        if req.hold_output:
+            return req.num_tokens - req.num_computed_tokens
+        if req.num_output_placeholders and self._at_limit(req, req.num_output_placeholders):
+            return 0
+        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+
+    def _at_limit(self, req: Request, extra: int) -> bool:
+        """Whether `extra` more output tokens reach max_tokens or max_model_len."""
+        p = req.sampling_params
+        if p.max_tokens is not None and req.num_output_tokens + extra >= p.max_tokens:
+            return True
+        return req.num_tokens + extra >= self.config.max_model_len
+
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int, new_blocks, *, full_table: bool) -> None:
+        """Record `n` tokens of `req` in `out` and count them as computed (a step reaching the end draws a token)."""
+        start = req.num_computed_tokens
+        end = start + n
+        samples = end == req.num_tokens + (0 if req.hold_output else req.num_output_placeholders)
+        if full_table or req.needs_full_table:
+            s = ScheduledRequest(req, n, start, samples, block_ids=self.kv.block_ids(req.request_id))
+            req.needs_full_table = False
+        else:
+            s = ScheduledRequest(req, n, start, samples, new_block_ids=[b.block_id for b in new_blocks])
+        out.scheduled.append(s)
+        req.num_computed_tokens = end
+        if samples:
+            req.num_output_placeholders += 1
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             if self.num_reserved_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break
+            if req.num_output_placeholders:
+                skipped.append(self.waiting.pop())
+                continue
             if self.kv.is_swapped(req):  # resumes where it stopped, its blocks copied back from host memory
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 pairs = self.kv.swap_in(req, n)
@@ -214,15 +259,18 @@ class Scheduler:
                     n = budget
                 if self.kv.allocate_slots(req, n, hits) is None:
                     break
+                req.num_computed_tokens = num_cached
                 self.waiting.pop()
                 self.kv.num_queried_tokens += req.num_tokens
                 self.kv.num_hit_tokens += num_cached
-                req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            req.needs_full_table = True
             self.running.append(req)
             if n:  # (a swapped-in held request may have nothing to compute yet)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+                self._schedule(out, req, n, (), full_table=True)
             budget -= n
+        for req in reversed(skipped):
+            self.waiting.add(req, front=True)
 
     def fork(self, parent: Request, child: Request, num_tokens: int, *, share: bool = True) -> None:
         """Start `child` running with the parent's first `num_tokens` tokens computed, sharing their blocks
@@ -236,6 +284,7 @@ class Scheduler:
         self.kv.fork(parent, child, num_tokens, share=share)
         child.num_computed_tokens = num_tokens
         child.status = RequestStatus.RUNNING
+        child.needs_full_table = True
         self.requests[child.request_id] = child
         self.running.append(child)
 
@@ -263,32 +312,44 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req, front=front)
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids) -> list[tuple[Request, list[int]]]:
-        """Advance every scheduled request; append sampled tokens, apply stop rules, free finished ones.
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids) -> list[tuple[int, Request, int]]:
+        """Resolve the placeholders of `out`'s sampling requests with their tokens; apply the stop rules; free
+        the requests that finished.
 
-        `sampled_token_ids[i]` is the token drawn for `out.scheduled[i]` (ignored for a partial prefill).
-        Returns (request, new token ids) for each request that produced a token or finished.
+        `sampled_token_ids[i]` is the token drawn for `out.scheduled[i]` (ignored where it draws none).
+        Returns (index in out.scheduled, request, token) for each request that got a token (held requests
+        included: their owner appends it). Tokens of requests that ended meanwhile (abort, stop string, an earlier stop while this
+        step was in flight) are dropped.
         """
         results = []
+        stopped = False
         for i, s in enumerate(out.scheduled):
-            req = s.request
-            if req.finished:  # aborted while the step ran
+            if not s.samples:
                 continue
-            samples = s.samples
-            req.num_computed_tokens += s.num_new_tokens
-            if not samples or req.hold_output:
+            req = s.request
+            req.num_output_placeholders -= 1
+            if req.finished:
                 continue
             token = int(sampled_token_ids[i])
-            if req.pending_forks:  # the prompt is computed: siblings fork, each to recompute the last prompt token
+            if req.hold_output:
+                results.append((i, req, token))
+                continue
+            if req.pending_forks and req.status == RequestStatus.RUNNING:
+                # the prompt is computed: siblings fork, each to recompute the last prompt token
                 for child in req.pending_forks:
                     self.fork(req, child, len(req.prompt_token_ids) - 1)
                 req.pending_forks = []
             req.output_token_ids.append(token)
             status = self._check_stop(req, token)
             if status is not None:
-                self.running.remove(req)
+                if req.status == RequestStatus.RUNNING:
+                    stopped = True
+                else:
+                    self.waiting.remove(req)
                 self._finish(req, status)
-            results.append((req, [token]))
+            results.append((i, req, token))
+        if stopped:
+            self.running = [r for r in self.running if not r.finished]
         return results
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -1,8 +1,11 @@
-"""`AsyncLLM`: the engine on its own thread, streaming outputs into one asyncio queue per request.
+"""`AsyncLLM`: the engine core on its own thread, the output processing on another, streams in asyncio.
 
-The engine thread steps while any request is unfinished and blocks on an event when none is, so an
-idle server uses no CPU. Requests and aborts from the event loop go through a thread-safe inbox and
-join the next step. Closing a request's stream early (client gone) aborts it and frees its blocks.
+The engine thread only schedules and steps (and, with async scheduling, prepares step N+1 while the
+device runs step N); it blocks on an event when idle, so an idle server uses no CPU. Its token outputs
+go to an output thread that detokenizes, finds stop strings and builds each request's delta, then hands
+them to the request's asyncio queue. Requests are tokenized and validated in the caller's event loop;
+adds, aborts and stop-string ends reach the engine thread through a thread-safe inbox and join the next
+step. Closing a request's stream early (client gone) aborts it and frees its blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import replace
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.request import RequestOutput
+from jaxpaged.engine.output_processor import RequestOutputKind
+from jaxpaged.request import RequestOutput, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,9 +30,8 @@ logger = logging.getLogger(__name__)
 class RequestStream:
     """One request's outputs as the engine produces them: `async for out in stream`.
 
-    Outputs that pile up while the consumer is busy are merged into one (the latest: outputs are
-    cumulative inside the engine). With delta=True each yields only what is new per sequence.
-    `close()` before the end aborts the request.
+    Outputs that pile up while the consumer is busy are merged into one. With delta=True each yields only
+    what is new per sample, and each sample's finish_reason arrives once. `close()` before the end aborts.
     """
 
     def __init__(self, llm: AsyncLLM, request_id: str, delta: bool):
@@ -38,7 +41,6 @@ class RequestStream:
         self.finished = False
         self._llm = llm
         self._delta = delta
-        self._sent: dict[int, tuple[int, int, bool]] = {}
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -48,12 +50,13 @@ class RequestStream:
             raise StopAsyncIteration
         out = await self.queue.get()
         while not isinstance(out, BaseException) and not self.queue.empty():
-            out = self.queue.get_nowait()
+            nxt = self.queue.get_nowait()
+            out = nxt if isinstance(nxt, BaseException) or not self._delta else _merge_deltas(out, nxt)
         if isinstance(out, BaseException):
             self.finished = True
             raise out
         self.finished = out.finished
-        return _delta(out, self._sent) if self._delta else out
+        return out
 
     def close(self) -> None:
         """Abort the request unless it finished (idempotent)."""
@@ -62,19 +65,38 @@ class RequestStream:
             self._llm.abort(self.request_id)
 
 
+def _merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one."""
+    merged = {o.index: o for o in a.outputs}
+    for o in b.outputs:
+        prev = merged.get(o.index)
+        if prev is None:
+            merged[o.index] = o
+            continue
+        logprobs = None if o.logprobs is None else (prev.logprobs or []) + o.logprobs
+        merged[o.index] = replace(o, text=prev.text + o.text, token_ids=prev.token_ids + o.token_ids,
+                                  logprobs=logprobs)
+    return replace(b, outputs=[merged[i] for i in sorted(merged)],
+                   prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
+
+
 class AsyncLLM:
     """Async front of an `LLMEngine`, for servers: `async for out in llm.generate(prompt, params)`."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # to the engine thread
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread
         self._wake = threading.Event()
+        self._lock = threading.Lock()  # the output processor's state (event loop and output thread)
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._stopped = False
         self.errored: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="jaxpaged-engine", daemon=True)
-        self._thread.start()
+        self._engine_thread = threading.Thread(target=self._engine_loop, name="jaxpaged-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="jaxpaged-output", daemon=True)
+        self._engine_thread.start()
+        self._output_thread.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -98,23 +120,21 @@ class AsyncLLM:
         delta: bool = False,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Bad input raises ValueError."""
+        """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError."""
         if self.errored is not None:
             raise RuntimeError(f"the engine loop died: {self.errored!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority)
         stream = RequestStream(self, request_id, delta)
-        self._streams[request_id] = stream
-        accepted = stream.loop.create_future()
-        self._inbox.put(("add", request_id, prompt, params, priority, accepted))
-        self._wake.set()
-        try:
-            await accepted
-        except BaseException:
-            self._streams.pop(request_id, None)
-            self.abort(request_id)  # cancelled while the engine was adding it: nothing must keep running
-            raise
+        kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
+        with self._lock:
+            if self.engine.output.has(request_id):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.output.add(request_id, text, ids, requests, kind)
+            self._streams[request_id] = stream
+        self._send("add", requests)
         return stream
 
     async def generate(
@@ -140,79 +160,81 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
-        self._streams.pop(request_id, None)
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        with self._lock:
+            self._streams.pop(request_id, None)
+            core_ids = self.engine.output.abort(request_id)
+        if core_ids:
+            self._send("abort", core_ids)
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._engine_thread.join(timeout=10)
+        self._outbox.put(None)
+        self._output_thread.join(timeout=10)
+
+    def _send(self, kind: str, payload) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
 
     # -- engine thread ------------------------------------------------------------------
     def _drain_inbox(self) -> None:
+        scheduler = self.engine.scheduler
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, rid, prompt, params, priority, accepted = msg
-                try:
-                    self.engine.add_request(rid, prompt, params, priority=priority)
-                except Exception as e:  # bad input: reported to the caller, the engine goes on
-                    accepted.get_loop().call_soon_threadsafe(_settle, accepted, e)
-                else:
-                    accepted.get_loop().call_soon_threadsafe(_settle, accepted, None)
-            else:
-                self.engine.abort_request(msg[1])
+            if kind == "add":
+                self.engine.add_core_requests(payload)
+            elif kind == "abort":
+                for cid in payload:  # a sibling that never forked is in no queue: it just ends
+                    if (req := scheduler.requests.get(cid)) is not None:
+                        req.pending_forks = []
+                scheduler.abort_requests(payload)
+            else:  # "finish": stop strings the output thread found
+                scheduler.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
 
-    def _loop(self) -> None:
+    def _engine_loop(self) -> None:
+        core = self.engine.core
         try:
             while not self._stopped:
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                if not core.has_unfinished_requests():
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                outputs = core.step()
+                self._outbox.put((outputs, core.last_stats))
         except BaseException as e:  # surface to every waiting stream instead of hanging them
             logger.exception("engine loop failed")
-            self.errored = e
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            self._fail(e)
 
+    # -- output thread ------------------------------------------------------------------
+    def _output_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            outputs, stats = item
+            try:
+                with self._lock:
+                    self.engine.record_step(stats)
+                    results, stopped = self.engine.output.process(outputs)
+                    streams = [(r, self._streams.get(r.request_id)) for r in results]
+                    for r in results:
+                        if r.finished:
+                            self._streams.pop(r.request_id, None)
+            except BaseException as e:
+                logger.exception("output processing failed")
+                self._fail(e)
+                return
+            if stopped:
+                self._send("finish", stopped)
+            for r, stream in streams:
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, r)
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _delta(out: RequestOutput, sent: dict[int, tuple[int, int, bool]]) -> RequestOutput:
-    """The output with only what was not yet yielded, per sequence index: new text, tokens and logprobs.
-
-    A sequence with nothing new is left out, and so is one whose finish was already yielded, so each
-    sequence's finish_reason arrives exactly once (vLLM's DELTA outputs).
-    """
-    outputs = []
-    for o in out.outputs:
-        text_len, tok_len, done = sent.get(o.index, (0, 0, False))
-        if done:
-            continue
-        text, tokens = o.text[text_len:], o.token_ids[tok_len:]
-        if not text and not tokens and o.finish_reason is None:
-            continue
-        logprobs = o.logprobs[tok_len:] if o.logprobs is not None else None
-        outputs.append(replace(o, text=text, token_ids=tokens, logprobs=logprobs))
-        sent[o.index] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
-    return replace(out, outputs=outputs)
+    def _fail(self, error: BaseException) -> None:
+        self.errored = error
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -119,7 +119,8 @@ class BeamSearcher:
                 self.engine.step()
                 expanded = False
                 for s in searches:
-                    if not s.done and all(b.request.num_computed_tokens == b.request.num_tokens for b in s.beams):
+                    if not s.done and all(b.request.num_computed_tokens == b.request.num_tokens
+                                          and not b.request.num_output_placeholders for b in s.beams):
                         self._expand(s)
                         expanded = True
                         if s.done and progress is not None:

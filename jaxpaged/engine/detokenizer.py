@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 
+CONTEXT = 6  # prompt tokens decoded before the output, so its first token's leading space or merge comes out right
+
+
+def decode_output(tokenizer, prompt_token_ids: list[int], output_token_ids: list[int], *,
+                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+    """The text of `output_token_ids` after the prompt, as `IncrementalDetokenizer` gives it, in two decodes."""
+    context = list(prompt_token_ids[-CONTEXT:])
+    kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+    prefix = tokenizer.decode(context, **kw)
+    full = tokenizer.decode(context + list(output_token_ids), **kw)
+    return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
@@ -16,7 +29,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids[-6:])  # context for the first output tokens
+        self.token_ids: list[int] = list(prompt_token_ids[-CONTEXT:])  # context for the first output tokens
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.output_processor import RequestOutputKind
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -80,7 +81,7 @@ class LLM:
         ids = []
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(None, p, sp))
+                ids.append(self.engine.add_request(None, p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             self.engine.abort_request(ids)
             raise

@@ -1,12 +1,16 @@
-"""`LLMEngine`: requests in, one scheduler + runner step at a time, `RequestOutput`s out."""
+"""`LLMEngine`: requests in, `RequestOutput`s out; the engine core and the output processor, in one thread.
+
+Input processing (tokenize, validate, fan n samples out into core requests) happens in `add_request`;
+`step()` runs one core step and turns its token outputs into request outputs (`OutputProcessor`).
+`AsyncLLM` puts the same pieces on threads instead.
+"""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -21,9 +25,9 @@ from jaxpaged.config import (
     SchedulerConfig,
     resolve_kernel_backend,
 )
-from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxpaged.core.scheduler import Scheduler
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.kv_cache_manager import cdiv
+from jaxpaged.engine.core import EngineCore, StepStats
+from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.registry import (
     build_model,
@@ -32,54 +36,11 @@ from jaxpaged.models.registry import (
     load_tokenizer,
     model_config_from_hf,
 )
-from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
+from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks
-from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sequence:
-    """One of a request's n samples, as the engine tracks it for output."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    final_text: str | None = None  # set when a stop string cut the text
-    stop_checked: int = 0  # text length already searched for stop strings
-
-    @property
-    def text(self) -> str:
-        """Text safe to show: the final text, or the text minus a tail that may still become a stop string."""
-        if self.final_text is not None:
-            return self.final_text
-        text = self.detokenizer.text
-        if self.request.finished:
-            return text
-        return text[: len(text) - _stop_prefix_len(text, self.request.sampling_params.stop)]
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    for k in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stops):
-            return k
-    return 0
-
-
-@dataclass
-class _ParentRequest:
-    """A user request: a prompt and its n sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.finished for s in self.sequences)
 
 
 class ModelSetup(NamedTuple):
@@ -120,39 +81,49 @@ class EngineStats:
 class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none are unfinished."""
 
-    def __init__(self, config: EngineConfig, tokenizer, model):
+    def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False):
         self.config = config
         self.tokenizer = tokenizer
-        sc, cc = config.scheduler_config, config.cache_config
-        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
-                                               enable_prefix_caching=cc.enable_prefix_caching,
-                                               num_host_blocks=cc.num_host_blocks)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        self.runner = ModelRunner(config, model)
-        self.warmup_seconds = self.runner.warmup()
-        self._parents: dict[str, _ParentRequest] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self.core = EngineCore(config, model, stub=stub)
+        self.warmup_seconds = self.core.warmup()
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.metrics = EngineMetrics()
-        # A token's text as vLLM reports it in logprobs: the token decoded alone (' Paris', not 'ĠParis').
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+        self.output = OutputProcessor(tokenizer, self.metrics)
+
+    # the core's parts, for tests and benchmarks
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def kv_cache_manager(self):
+        return self.core.kv_cache_manager
+
+    @property
+    def runner(self):
+        return self.core.runner
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, setup: ModelSetup | None = None) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, setup: ModelSetup | None = None, *, stub: bool = False
+                         ) -> LLMEngine:
         """Load the model and tokenizer, size the KV pool, build and warm up the engine.
 
-        `setup` (from `prepare_model`) skips reading the config and tokenizer again.
+        `setup` (from `prepare_model`) skips reading the config and tokenizer again. stub=True: no model and no
+        device (`jaxpaged bench host`).
         """
         path, model_config, tokenizer, sched = setup or prepare_model(args)
         t0 = time.perf_counter()
         attention_backend = resolve_kernel_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
-        model = build_model(model_config, kv_chunk=max(32, args.block_size), attention_backend=attention_backend)
-        logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
-                    time.perf_counter() - t0)
-        param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        model, param_bytes = None, 0
+        if not stub:
+            model = build_model(model_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
+                                attention_backend=attention_backend)
+            logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
+                        time.perf_counter() - t0)
+            param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes)
         if (blocks - 1) * args.block_size < sched.max_model_len:
             logger.warning("The KV pool holds %d tokens, fewer than max_model_len=%d: long requests will be "
@@ -170,12 +141,39 @@ class LLMEngine:
             attention_backend=attention_backend,
             sampler_backend=sampler_backend,
             share_forked_blocks=args.share_forked_blocks,
+            async_scheduling=args.resolved_async_scheduling(),
         )
-        return cls(config, tokenizer, model)
+        return cls(config, tokenizer, model, stub=stub)
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                      priority: int = 0) -> tuple[str | None, list[int], list[Request]]:
+        """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError)."""
+        text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        self.validate_prompt(ids, params)
+        if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        rows = self._processor_rows(params)  # read-only, shared by the n samples
+        requests = []
+        for i in range(params.n):
+            seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
+                                    eos_token_ids=self.config.model_config.eos_token_ids, processor_rows=rows))
+        return text, ids, requests
+
+    def add_core_requests(self, requests: list[Request]) -> None:
+        """Queue a prompt's samples: with shared blocks, the siblings fork from the first once its prompt is in."""
+        first, *siblings = requests
+        if siblings and self.config.share_forked_blocks and not first.sampling_params.needs_penalties:
+            first.pending_forks = siblings
+            siblings = []
+        for req in (first, *siblings):
+            self.scheduler.add_request(req)
 
     def add_request(
         self,
@@ -184,36 +182,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._parents:
+        if self.output.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self.validate_prompt(ids, params)
-        parent = _ParentRequest(request_id, text, ids)
-        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        rows = self._processor_rows(params)  # read-only, shared by the n samples
-        for i in range(params.n):
-            seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
-                          eos_token_ids=self.config.model_config.eos_token_ids,
-                          processor_rows=rows)
-            parent.sequences.append(_Sequence(req, IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens)))
-            self._child_to_parent[child_id] = request_id
-        first, *siblings = [seq.request for seq in parent.sequences]
-        if siblings and params.n > self.config.scheduler_config.max_num_seqs:
-            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
-        if siblings and self.config.share_forked_blocks and not params.needs_penalties:
-            first.pending_forks = siblings  # they fork from the first once its prompt is computed
-            siblings = []
-        for req in (first, *siblings):
-            self.scheduler.add_request(req)
-        self._parents[request_id] = parent
+        text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority)
+        self.output.add(request_id, text, ids, requests, output_kind)
+        self.add_core_requests(requests)
         return request_id
 
     # -- held requests (beam search drives them token by token) ----------------------------
@@ -279,147 +257,39 @@ class LLMEngine:
         """Stop requests (and all their samples) and free their blocks at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            parent = self._parents.pop(rid, None)
-            if parent is None:
-                continue
-            children = [s.request.request_id for s in parent.sequences]
-            for s in parent.sequences:
-                s.request.pending_forks = []
-                if not s.request.finished:
-                    self.metrics.success.labels(finished_reason="abort").inc()
-                    if s.request.request_id not in self.scheduler.requests:
-                        s.request.status = RequestStatus.FINISHED_ABORTED  # a sibling that never forked
-            self.scheduler.abort_requests(children)
-            for c in children:
-                self._child_to_parent.pop(c, None)
+            core_ids = self.output.abort(rid)
+            for cid in core_ids:  # a sibling that never forked is in no queue: it just ends
+                req = self.scheduler.requests.get(cid)
+                if req is not None:
+                    req.pending_forks = []
+            self.scheduler.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output)
 
     # -- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one jitted step, and return outputs of requests that advanced or ended."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            self.runner.prepare_idle(out)  # swaps, copies and freed slots still happen
-            return []
-        touched: dict[str, None] = {}
-        now = time.monotonic()
-        for s in out.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-                self.metrics.queue_time.observe(now - s.request.arrival_time)
-        prompt_tokens = sum(
-            max(0, min(s.request.num_computed_tokens + s.num_new_tokens, len(s.request.prompt_token_ids))
-                - s.request.num_computed_tokens) for s in out.scheduled)
-        result, prompt_lp = self.runner.execute(out)
-        for i, s in enumerate(out.scheduled):
-            rows = prompt_lp[i] if prompt_lp else None
-            if rows and s.request.num_computed_tokens == len(s.request.prompt_logprob_rows):  # not a recompute
-                s.request.prompt_logprob_rows.extend(rows)
-            k = s.request.sampling_params.logprobs
-            if k is not None and s.samples:
-                s.request.output_logprobs.append((float(result.logprob[i]), int(result.rank[i]),
-                                                  result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
-        generated = sum(1 for s in out.scheduled if s.samples)  # (held requests' tokens count too)
-        advanced = self.scheduler.update_from_output(out, result.token_ids)
-        self._record_step(out, prompt_tokens, generated)
-        now = time.monotonic()
-        for req, new_ids in advanced:
-            parent_id = self._child_to_parent.get(req.request_id)
-            if parent_id is None:
-                continue
-            self._observe_token(req, now)
-            seq = next(s for s in self._parents[parent_id].sequences if s.request is req)
-            seq.detokenizer.add_tokens(new_ids)
-            self._check_stop_strings(seq)
-            if req.finished:
-                seq.detokenizer.flush()
-                self._observe_finish(req, now)
-            touched[parent_id] = None
-        return [self._make_output(pid) for pid in touched]
+        """One core step; returns the outputs of requests that advanced or ended, as each asked for them."""
+        outputs = self.core.step()
+        self.record_step(self.core.last_stats)
+        results, stopped = self.output.process(outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return results
 
-    def _check_stop_strings(self, seq: _Sequence) -> None:
-        req = seq.request
-        stops = req.sampling_params.stop
-        if not stops or req.status == RequestStatus.FINISHED_ABORTED:
-            return
-        text = seq.detokenizer.text
-        start = max(0, seq.stop_checked - max(len(x) for x in stops) + 1)
-        seq.stop_checked = len(text)
-        hits = [(i, x) for x in stops if (i := text.find(x, start)) >= 0]
-        if not hits:
-            return
-        i, stop = min(hits)
-        seq.final_text = text[: i + len(stop)] if req.sampling_params.include_stop_str_in_output else text[:i]
-        if not req.finished:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-
-    def _record_step(self, out, prompt_tokens: int, generated: int) -> None:
+    def record_step(self, step: StepStats) -> None:
         kv, m = self.kv_cache_manager, self.metrics
         used = kv.pool.num_blocks - 1 - kv.num_free_blocks
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
         self.stats.num_steps += 1
-        self.stats.num_prompt_tokens += prompt_tokens
-        self.stats.num_generation_tokens += generated
-        m.observe_step(prompt_tokens=prompt_tokens, generation_tokens=generated, preemptions=len(out.preempted_ids),
-                       running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
+        self.stats.num_prompt_tokens += step.num_prompt_tokens
+        self.stats.num_generation_tokens += step.num_generation_tokens
+        m.observe_step(prompt_tokens=step.num_prompt_tokens, generation_tokens=step.num_generation_tokens,
+                       preemptions=step.num_preemptions, running=self.scheduler.num_running,
+                       waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
                        prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens)
         m.maybe_log()
 
-    def _observe_token(self, req: Request, now: float) -> None:
-        if req.last_token_time is None:
-            self.metrics.ttft.observe(now - req.arrival_time)
-        else:
-            self.metrics.itl.observe(now - req.last_token_time)
-        req.last_token_time = now
-
-    def _observe_finish(self, req: Request, now: float) -> None:
-        self.metrics.e2e.observe(now - req.arrival_time)
-        self.metrics.success.labels(finished_reason=req.status.finish_reason).inc()
-
-    def _logprob_fields(self, req: Request) -> dict:
-        """vLLM's `logprobs` (one {token_id: Logprob} per generated token) and `cumulative_logprob`."""
-        if req.sampling_params.logprobs is None:
-            return {}
-        decode = self.token_text
-        entries = []
-        for tok, (lp, rank, top_ids, top_lps) in zip(req.output_token_ids, req.output_logprobs):
-            entry = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
-            entry[tok] = Logprob(lp, rank, decode(tok))
-            entries.append(entry)
-        return {"logprobs": entries, "cumulative_logprob": float(sum(e[0] for e in req.output_logprobs))}
-
-    def _prompt_logprobs(self, req: Request) -> list | None:
-        """vLLM's `prompt_logprobs`: None for the first prompt token, then {token_id: Logprob} per token."""
-        k = req.sampling_params.prompt_logprobs
-        if k is None or len(req.prompt_logprob_rows) < len(req.prompt_token_ids) - 1:
-            return None
-        decode = self.token_text
-        entries: list = [None]
-        for tok, lp, rank, top_ids, top_lps in req.prompt_logprob_rows:
-            entry = {int(t): Logprob(float(v), r + 1, decode(int(t))) for r, (t, v) in
-                     enumerate(zip(top_ids[:k], top_lps[:k]))}
-            entry[tok] = Logprob(lp, rank, decode(tok))
-            entries.append(entry)
-        return entries
-
-    def _make_output(self, parent_id: str) -> RequestOutput:
-        parent = self._parents[parent_id]
-        outputs = [
-            CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
-                             finish_reason=s.request.status.finish_reason, stop_reason=s.request.stop_reason,
-                             **self._logprob_fields(s.request))
-            for i, s in enumerate(parent.sequences)
-        ]
-        finished = parent.finished
-        if finished:
-            del self._parents[parent_id]
-            for s in parent.sequences:
-                self._child_to_parent.pop(s.request.request_id, None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=self._prompt_logprobs(parent.sequences[0].request))

@@ -1,7 +1,11 @@
-"""`ModelRunner`: holds params and the KV pool, and runs exactly what the scheduler decided.
+"""`ModelRunner`: holds params and the device state, and runs exactly what the scheduler decided.
 
 One jitted step (model + KV write + attention + last-token logits + sampling) per token bucket,
-compiled ahead of time at start. The pool is donated into every call, so XLA updates it in place.
+compiled ahead of time at start. The device state (KV pool, processor rows, each row's last drawn
+token) is donated into every call, so XLA updates it in place. `execute` only dispatches: the step
+runs on the device while the host goes on (async scheduling builds the next step meanwhile), and
+`fetch` brings its results back. A token not yet known on the host (drawn by the step before) is
+taken from the device's last-token row, so steps can follow each other without a host round trip.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -21,12 +26,13 @@ from tqdm.auto import tqdm
 from jaxpaged.attention import empty_kv_pool
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.block_transfer import BlockTransfer
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket, token_buckets
-from jaxpaged.runner.step_input import StepGeometry, StepInput, build_step_input, row_order
-from jaxpaged.logits_processors import RowState, update_row_state, write_rows
-from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
+from jaxpaged.runner.input_batch import InputBatch
+from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
+from jaxpaged.sampler import sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -75,14 +81,19 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, logprobs_mode, sampler_backend, state, kv_pool, row_state: RowState, inp: StepInput):
+def _step(graphdef, logprobs_mode, sampler_backend, packer: StepPacker, state, kv_pool, row_state: RowState,
+          last_token, ints, floats):
     """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence."""
+    inp = packer.unpack(ints, floats)
+    rows = inp.sampling.processors.token_slot
+    token_ids = jnp.where(inp.from_device, last_token[jnp.minimum(rows, last_token.shape[0] - 1)], inp.token_ids)
     model = nnx.merge(graphdef, state)
-    row_state = update_row_state(row_state, inp.sampling.processors, inp.token_ids)
-    hidden, kv_pool = model(inp.token_ids, kv_pool, inp.attn)
+    row_state = update_row_state(row_state, inp.sampling.processors, token_ids)
+    hidden, kv_pool = model(token_ids, kv_pool, inp.attn)
     logits = model.compute_logits(hidden[inp.logits_indices])  # [S, V]
     out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode, backend=sampler_backend)
-    return kv_pool, row_state, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
+    last_token = last_token.at[inp.draw_rows].set(out.token_ids, mode="drop")
+    return kv_pool, row_state, last_token, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
 
 
 def prompt_logprobs(model, hidden, next_ids):
@@ -94,60 +105,81 @@ def prompt_logprobs(model, hidden, next_ids):
     return jax.lax.cond(jnp.any(next_ids >= 0), compute, lambda *_: none, hidden, next_ids)
 
 
-class SlotTable:
-    """Processor-state rows of running requests: one per request while it runs."""
+@dataclass
+class StepHandle:
+    """A dispatched step: what it was, and its results while they are still on the device."""
 
-    def __init__(self, num_slots: int):
-        self.free = list(range(num_slots - 1, -1, -1))
-        self.of: dict[str, int] = {}
+    out: SchedulerOutput
+    plan: StepPlan
+    result: object  # SamplerOutput of device arrays (or numpy, for the stub)
+    prompt_lp: object
 
-    def release(self, request_ids) -> None:
-        for rid in request_ids:
-            slot = self.of.pop(rid, None)
-            if slot is not None:
-                self.free.append(slot)
 
-    def assign(self, request_id: str) -> int:
-        slot = self.free.pop()
-        self.of[request_id] = slot
-        return slot
+@dataclass
+class StepResult:
+    """A step's results, aligned with `SchedulerOutput.scheduled` (numpy)."""
+
+    token_ids: np.ndarray  # [n] the drawn token; -1 where the request draws none
+    num_prompt_tokens: int  # prompt tokens the step computed
+    logprobs: tuple | None  # (logprob [n], rank [n], top ids [n, K], top logprobs [n, K]) when asked
+    prompt_logprobs: list | None  # per request: [(token, logprob, rank, top ids, top logprobs)] or None
 
 
 class ModelRunner:
-    """Owns the device state (params, KV pool) and the compiled steps."""
+    """Owns the device state (params, KV pool, processor rows, last tokens) and the compiled steps.
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM):
+    stub=True (`jaxpaged bench host`): no model and no device work; each step draws token 7 at once, so
+    the engine's host path can be timed alone.
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False):
         self.config = config
+        self.stub = stub
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-        self.graphdef, self.state = nnx.split(model)
-        self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                     jnp.dtype(mc.dtype))
         chunk_blocks = 4 * config.attention_chunk // cc.block_size  # the widest chunk the attention reads
         width = -(-sc.max_model_len // cc.block_size)
         self.geometry = StepGeometry(cc.block_size, cc.num_blocks, -(-width // chunk_blocks) * chunk_blocks)
         self.buckets = token_buckets(sc.max_num_batched_tokens)
-        self.num_slots = sc.max_num_seqs
-        self.row_state = RowState.zeros(self.num_slots, mc.vocab_size)
-        self.slots = SlotTable(self.num_slots)
-        self._jitted = jax.jit(partial(_step, self.graphdef, config.logprobs_mode, config.sampler_backend), donate_argnums=(1, 2))
-        self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
+        self.num_rows = sc.max_num_seqs
+        self.batch = InputBatch(self.num_rows, sc.max_model_len, self.geometry.table_width)
+        self._packers = {t: StepPacker(self._template(t)) for t in self.buckets}
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
         self._host_pool: np.ndarray | None = None
+        if stub:
+            return
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                     jnp.dtype(mc.dtype))
+        self.row_state = RowState.zeros(self.num_rows, mc.vocab_size)
+        self.last_token = jnp.zeros(self.num_rows, jnp.int32)
+        self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
 
     def _num_seqs(self, num_tokens: int) -> int:
         return seq_bucket(num_tokens, self.config.scheduler_config.max_num_seqs)
 
+    def _template(self, t: int):
+        empty = np.zeros(0, np.int32)
+        inp, _ = build_step_input(self.batch, empty, empty, empty, np.zeros(0, bool), t, self._num_seqs(t),
+                                  self.geometry, np.zeros(self.num_rows, bool))
+        return inp
+
+    def _jitted(self, t: int):
+        return jax.jit(partial(_step, self.graphdef, self.config.logprobs_mode, self.config.sampler_backend,
+                               self._packers[t]), donate_argnums=(1, 2, 3))
+
     def warmup(self) -> float:
         """Compile the step for every token bucket (ahead of time); returns seconds spent."""
+        if self.stub:
+            return 0.0
         enable_persistent_compilation_cache()
         start = time.perf_counter()
         logger.info("Compiling the step for %d token buckets: %s", len(self.buckets), self.buckets)
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
-            dummy = build_step_input(SchedulerOutput(), t, self._num_seqs(t), self.geometry, [], {},
-                                     np.zeros(self.num_slots, bool))
-            self._compiled[t] = self._jitted.lower(self.state, self.kv_pool, self.row_state, dummy).compile()
+            ints, floats = self._packers[t].pack(self._template(t))
+            self._compiled[t] = self._jitted(t).lower(self.state, self.kv_pool, self.row_state, self.last_token,
+                                                      ints, floats).compile()
         v = self.config.model_config.vocab_size
         self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
                                                   np.zeros(v, bool)).compile()
@@ -156,52 +188,102 @@ class ModelRunner:
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
 
-    def _release_slots(self, out: SchedulerOutput) -> None:
-        self.slots.release(out.finished_ids)
-        self.slots.release(out.preempted_ids)
+    # -- a step ---------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> StepHandle | None:
+        """Apply `out`'s changes to the batch, move blocks, and dispatch the step (None if it computes nothing).
 
-    def _assign_slots(self, out: SchedulerOutput) -> np.ndarray:
-        """Free slots of ended or preempted requests; give new ones a slot (and their processor rows)."""
-        self._release_slots(out)
-        reset = np.zeros(self.num_slots, bool)
+        Returns at once: the step runs on the device until `fetch` needs its results.
+        """
+        batch = self.batch
+        for rid in out.finished_ids:
+            batch.remove(rid)
+        for rid in out.preempted_ids:
+            batch.remove(rid)
+        if out.moves_blocks and not self.stub:
+            self._move_blocks(out)
+        if out.is_empty:
+            return None
+        reset = np.zeros(self.num_rows, bool)
+        rows, n, start, samples = [], [], [], []
+        row_of = batch.row_of
         for s in out.scheduled:
             req = s.request
-            if req.request_id in self.slots.of:
-                continue
-            slot = self.slots.assign(req.request_id)
-            reset[slot] = True
-            if req.processor_rows is not None:
-                bias, min_mask = req.processor_rows
-                self.row_state = self._write_rows(self.row_state, np.int32(slot), bias, min_mask)
-        return reset
-
-    def execute(self, out: SchedulerOutput) -> tuple[SamplerOutput, list | None]:
-        """Run one step, in `out.scheduled` order (numpy): the sampler output, and per request its prompt
-        logprob rows (logprob, rank, top ids, top logprobs for each fed token) or None."""
-        num_tokens = out.total_num_scheduled_tokens
-        t = pick_token_bucket(self.buckets, num_tokens)
-        order = row_order(out)
-        reset = self._assign_slots(out)
-        inp = build_step_input(out, t, self._num_seqs(t), self.geometry, order, self.slots.of, reset)
-        if out.moves_blocks:
-            self._move_blocks(out)
+            row = row_of.get(req.request_id)
+            if row is None:
+                row = batch.add(req, s.block_ids)
+                reset[row] = True
+                if req.processor_rows is not None and not self.stub:
+                    bias, min_mask = req.processor_rows
+                    self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
+            elif s.block_ids is not None:
+                batch.set_blocks(row, s.block_ids)
+            elif s.new_block_ids:
+                batch.append_blocks(row, s.new_block_ids)
+            if req.hold_output:
+                batch.refresh_tokens(row)
+            rows.append(row)
+            n.append(s.num_new_tokens)
+            start.append(s.start)
+            samples.append(s.samples)
+        n_arr = np.array(n, np.int32)
+        t = pick_token_bucket(self.buckets, int(n_arr.sum()))
+        inp, plan = build_step_input(batch, np.array(rows, np.int32), n_arr, np.array(start, np.int32),
+                                     np.array(samples, bool), t, self._num_seqs(t), self.geometry, reset)
+        ints, floats = self._packers[t].pack(inp)
+        if self.stub:
+            return StepHandle(out, plan, np.full(len(plan.order), 7, np.int32), None)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
                 raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
-            step = self._jitted
+            step = self._jitted(t)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
-            self.kv_pool, self.row_state, result, prompt_lp = step(self.state, self.kv_pool, self.row_state, inp)
-            result = jax.device_get(result)
-        inverse = np.empty(len(order), np.int64)
-        inverse[order] = np.arange(len(order))
-        return jax.tree.map(lambda x: x[inverse], result), self._split_prompt_logprobs(out, order, inp, prompt_lp)
+            self.kv_pool, self.row_state, self.last_token, result, prompt_lp = step(
+                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats)
+        return StepHandle(out, plan, result, prompt_lp)
+
+    def fetch(self, handle: StepHandle) -> StepResult:
+        """Wait for a dispatched step and bring its results to the host, in scheduler order."""
+        plan, count = handle.plan, len(handle.plan.order)
+        if self.stub:
+            drawn = handle.result
+        else:
+            drawn = np.asarray(jax.device_get(handle.result.token_ids))[:count]
+        keep = plan.samples & ~self.batch.held[plan.rows]  # (a beam's owner picks its token)
+        self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
+        tokens = np.full(count, -1, np.int32)
+        tokens[plan.order] = np.where(plan.samples, drawn, -1)
+        logprobs = None
+        if plan.wants_logprobs and not self.stub:
+            r = jax.device_get((handle.result.logprob, handle.result.rank, handle.result.top_ids,
+                                handle.result.top_logprobs))
+            logprobs = tuple(np.empty_like(x[:count]) for x in r)
+            for dst, src in zip(logprobs, r):
+                dst[plan.order] = src[:count]
+        prompt_lp = None
+        if plan.wants_prompt_logprobs and not self.stub:
+            prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
+        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp)
+
+    @staticmethod
+    def _split_prompt_logprobs(handle: StepHandle, prompt_lp) -> list:
+        """Per scheduled request: (next prompt token, logprob, rank, top ids, top logprobs) of each fed token."""
+        lp, rank, top_ids, top_lp = prompt_lp
+        plan, out = handle.plan, handle.out
+        per_request: list = [None] * len(out.scheduled)
+        t = 0
+        for j in plan.order:
+            n = out.scheduled[j].num_new_tokens
+            ids = plan.next_prompt_ids[t : t + n]
+            if (ids >= 0).any():
+                per_request[j] = [(int(ids[r]), float(lp[t + r]), int(rank[t + r]), top_ids[t + r], top_lp[t + r])
+                                  for r in range(n) if ids[r] >= 0]
+            t += n
+        return per_request
 
     def prepare_idle(self, out: SchedulerOutput) -> None:
-        """For a step that computes nothing: still free ended requests' slots and move blocks."""
-        self._release_slots(out)
-        if out.moves_blocks:
-            self._move_blocks(out)
+        """For a step that computes nothing: still free ended requests' rows and move blocks."""
+        self.execute(out)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Fork copies (recorded before this step's schedule), swap-outs, copy-on-write copies, swap-ins: each
@@ -227,19 +309,3 @@ class ModelRunner:
             cc, shape = self.config.cache_config, self.kv_pool.shape
             self._host_pool = np.zeros((*shape[:2], cc.num_host_blocks, *shape[3:]), self.kv_pool.dtype)
         return self._host_pool
-
-    @staticmethod
-    def _split_prompt_logprobs(out: SchedulerOutput, order: list[int], inp: StepInput, prompt_lp):
-        if not (inp.next_prompt_ids >= 0).any():
-            return None
-        lp, rank, top_ids, top_lp = jax.device_get(prompt_lp)
-        per_request: list = [None] * len(out.scheduled)
-        t = 0
-        for j in order:
-            n = out.scheduled[j].num_new_tokens
-            rows = [r for r in range(t, t + n) if inp.next_prompt_ids[r] >= 0]
-            if rows:
-                per_request[j] = [(int(inp.next_prompt_ids[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
-                                  for r in rows]
-            t += n
-        return per_request

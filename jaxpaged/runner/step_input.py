@@ -1,28 +1,36 @@
-"""`StepInput`: the arrays of one jitted step, built on the host with numpy and padded to a bucket."""
+"""`StepInput`: the arrays of one jitted step, gathered from the `InputBatch` with numpy and padded to a bucket.
+
+No per-token Python: token ids, positions, slots and sampling settings are fancy-indexed out of the
+batch's rows. The arrays travel to the device packed into one int32 and one float32 buffer
+(`StepPacker`), unpacked inside the jitted step.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
-from jaxpaged.core.scheduler import SchedulerOutput
-from jaxpaged.models.llama import AttentionMetadata
 from jaxpaged.logits_processors import ProcessorInputs
+from jaxpaged.models.llama import AttentionMetadata
+from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.sampler import SamplingMetadata
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepInput:
-    """Everything the step reads besides params and the pool. T = token bucket, S = sequence rows."""
+    """Everything the step reads besides params and device state. T = token bucket, S = sequence rows."""
 
-    token_ids: Int[Array, "T"]
+    token_ids: Int[Array, "T"]  # (a placeholder's id is taken from the device, see from_device)
+    from_device: Bool[Array, "T"]  # the token is the one its row drew in the previous step (not known on host)
     attn: AttentionMetadata
     logits_indices: Int[Array, "S"]  # flat index of each sequence's last scheduled token
     next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
+    draw_rows: Int[Array, "S"]  # the batch row whose drawn token the device keeps; R where the step draws none
     sampling: SamplingMetadata
 
 
@@ -40,98 +48,141 @@ class StepGeometry:
         return self.num_blocks * self.block_size
 
 
-def row_order(out: SchedulerOutput) -> list[int]:
+@dataclass(frozen=True)
+class StepPlan:
+    """Where a step's sequences came from, to map its results back (host side)."""
+
+    order: np.ndarray  # [n] index into SchedulerOutput.scheduled of each sequence row of the step
+    rows: np.ndarray  # [n] batch row of each sequence
+    generations: np.ndarray  # [n] the rows' generations when the step was built
+    draw_positions: np.ndarray  # [n] position of the token each sequence draws (where it samples)
+    samples: np.ndarray  # [n] bool
+    num_prompt_tokens: int  # prompt tokens the step computes
+    wants_logprobs: bool
+    wants_prompt_logprobs: bool
+    next_prompt_ids: np.ndarray  # [T] (host copy, to split prompt logprobs per request)
+
+
+def step_order(start: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Decode rows first, longest context first; then chunk continuations; fresh prefills last.
 
     The XLA attention reads decode context per row in groups that stop at their own longest context,
     so sorting by context keeps each group's work close to what its rows need.
     """
-    def key(i: int) -> tuple[int, int]:
-        s = out.scheduled[i]
-        ctx = s.request.num_computed_tokens
-        kind = 2 if ctx == 0 else (0 if s.num_new_tokens == 1 else 1)
-        return kind, -ctx
-
-    return sorted(range(len(out.scheduled)), key=key)
+    kind = np.where(start == 0, 2, np.where(n == 1, 0, 1))
+    return np.lexsort((-start, kind))
 
 
-def build_step_input(out: SchedulerOutput, num_tokens: int, num_seqs: int, geo: StepGeometry,
-                     order: list[int], slots: dict[str, int], reset_slots: np.ndarray) -> StepInput:
-    """Numpy arrays for `out` with rows in `order`, padded to `num_tokens` tokens and `num_seqs` rows.
+def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: np.ndarray, samples: np.ndarray,
+                     num_tokens: int, num_seqs: int, geo: StepGeometry, reset_rows: np.ndarray
+                     ) -> tuple[StepInput, StepPlan]:
+    """Numpy inputs for sequences (batch `rows`, `n` tokens from `start`, `samples`: draws a token), in
+    scheduler order, laid out in `step_order` and padded to `num_tokens` tokens and `num_seqs` rows.
+    `reset_rows` [R] marks rows handed to a request this step (its processor state is cleared)."""
+    order = step_order(start, n)
+    rows_o, n_o, start_o, samples_o = rows[order], n[order], start[order], samples[order]
+    s_real, t_real = len(order), int(n_o.sum())
+    R, bs = batch.num_rows, geo.block_size
 
-    `slots` maps request ids to their processor-state rows; `reset_slots` [R] marks rows handed out now.
-    """
-    num_slots = len(reset_slots)
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.full(num_tokens, geo.pad_slot, np.int32)
-    token_seq = np.full(num_tokens, -1, np.int32)
-    decode_context_lens = np.zeros(num_tokens, np.int32)
-    seq_context_lens = np.zeros(num_seqs, np.int32)
-    continuation_rows = np.full(num_seqs, -1, np.int32)
-    num_continuations = 0
+    ends = np.cumsum(n_o)
+    tok_row = np.repeat(rows_o, n_o)
+    tok_pos = (np.arange(t_real) - np.repeat(ends - n_o, n_o) + np.repeat(start_o, n_o)).astype(np.int32)
+    prompt_len = batch.prompt_len[tok_row]
+
+    def padded(values, size, fill, dtype):
+        out = np.full(size, fill, dtype)
+        out[: len(values)] = values
+        return out
+
+    token_ids = padded(batch.token_ids[tok_row, tok_pos], num_tokens, 0, np.int32)
+    from_device = padded(tok_pos >= batch.num_known[tok_row], num_tokens, False, bool)
+    slots = batch.block_table[tok_row, tok_pos // bs] * bs + tok_pos % bs
+    decode = np.repeat((n_o == 1) & (start_o > 0), n_o)
+    wants_plp = batch.prompt_logprobs[tok_row] & (tok_pos + 1 < prompt_len)
+    last = batch.token_ids.shape[1] - 1
+    next_prompt = np.where(wants_plp, batch.token_ids[tok_row, np.minimum(tok_pos + 1, last)], -1)
+    continuation = np.flatnonzero((start_o > 0) & (n_o > 1))
     block_tables = np.zeros((num_seqs, geo.table_width), np.int32)
-    logits_indices = np.zeros(num_seqs, np.int32)
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    seeds = np.zeros(num_seqs, np.uint32)
-    steps = np.zeros(num_seqs, np.int32)
-    num_logprobs = np.full(num_seqs, -1, np.int32)
-    next_prompt_ids = np.full(num_tokens, -1, np.int32)
-    token_slot = np.full(num_tokens, num_slots, np.int32)
-    token_is_output = np.zeros(num_tokens, bool)
-    row_slot = np.zeros(num_seqs, np.int32)
-    rep, pres, freq = np.ones(num_seqs, np.float32), np.zeros(num_seqs, np.float32), np.zeros(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    use_bias, suppress = np.zeros(num_seqs, bool), np.zeros(num_seqs, bool)
+    block_tables[:s_real] = batch.block_table[rows_o]
+    seq_rows = padded(rows_o, num_seqs, 0, np.int32)
+    draw_index = start_o + n_o - batch.prompt_len[rows_o]  # index of the output token each sequence draws
 
-    t = 0
-    for i, j in enumerate(order):
-        s = out.scheduled[j]
-        req, n = s.request, s.num_new_tokens
-        start = req.num_computed_tokens
-        table = np.asarray(s.block_ids, np.int32)
-        block_tables[i, : len(table)] = table
-        pos = np.arange(start, start + n, dtype=np.int32)
-        token_ids[t : t + n] = req.token_ids_slice(start, start + n)
-        positions[t : t + n] = pos
-        slot_mapping[t : t + n] = table[pos // geo.block_size] * geo.block_size + pos % geo.block_size
-        token_seq[t : t + n] = i
-        seq_context_lens[i] = start
-        if start and n == 1:
-            decode_context_lens[t] = start
-        elif start:
-            continuation_rows[num_continuations] = i
-            num_continuations += 1
-        t += n
-        logits_indices[i] = t - 1
-        p = req.sampling_params
-        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-        seeds[i], steps[i] = req.seed, req.num_output_tokens
-        num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
-        if p.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids):
-            stop = min(start + n, len(req.prompt_token_ids) - 1)  # positions whose next token is a prompt token
-            next_prompt_ids[t - n : t - n + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-        slot = slots[req.request_id]
-        token_slot[t - n : t] = slot
-        token_is_output[t - n : t] = pos >= len(req.prompt_token_ids)
-        row_slot[i] = slot
-        rep[i], pres[i], freq[i], min_p[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p
-        use_bias[i] = p.needs_bias_row
-        suppress[i] = req.num_output_tokens < p.min_tokens
+    def per_seq(values, fill, dtype):
+        return padded(values[rows_o], num_seqs, fill, dtype)
 
-    return StepInput(
+    inp = StepInput(
         token_ids=token_ids,
-        attn=AttentionMetadata(positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                               decode_context_lens=decode_context_lens, seq_context_lens=seq_context_lens,
-                               continuation_rows=continuation_rows, block_tables=block_tables),
-        logits_indices=logits_indices,
-        next_prompt_ids=next_prompt_ids,
+        from_device=from_device,
+        attn=AttentionMetadata(
+            positions=padded(tok_pos, num_tokens, 0, np.int32),
+            slot_mapping=padded(slots, num_tokens, geo.pad_slot, np.int32),
+            token_seq=padded(np.repeat(np.arange(s_real, dtype=np.int32), n_o), num_tokens, -1, np.int32),
+            decode_context_lens=padded(np.where(decode, tok_pos, 0), num_tokens, 0, np.int32),
+            seq_context_lens=padded(start_o, num_seqs, 0, np.int32),
+            continuation_rows=padded(continuation, num_seqs, -1, np.int32),
+            block_tables=block_tables),
+        logits_indices=padded(ends - 1, num_seqs, 0, np.int32),
+        next_prompt_ids=padded(next_prompt, num_tokens, -1, np.int32),
+        draw_rows=padded(np.where(samples_o, rows_o, R), num_seqs, R, np.int32),
         sampling=SamplingMetadata(
-            temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, num_logprobs=num_logprobs,
+            temperature=per_seq(batch.temperature, 0.0, np.float32), top_k=per_seq(batch.top_k, 0, np.int32),
+            top_p=per_seq(batch.top_p, 1.0, np.float32), seeds=per_seq(batch.seed, 0, np.uint32),
+            steps=padded(draw_index, num_seqs, 0, np.int32),
+            num_logprobs=per_seq(batch.num_logprobs, -1, np.int32),
             processors=ProcessorInputs(
-                token_slot=token_slot, token_is_output=token_is_output, reset_slots=reset_slots, row_slot=row_slot,
-                repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq, min_p=min_p,
-                use_bias=use_bias, suppress_stop=suppress)),
+                token_slot=padded(tok_row, num_tokens, R, np.int32),
+                token_is_output=padded(tok_pos >= prompt_len, num_tokens, False, bool),
+                reset_slots=reset_rows, row_slot=seq_rows,
+                repetition_penalty=per_seq(batch.repetition_penalty, 1.0, np.float32),
+                presence_penalty=per_seq(batch.presence_penalty, 0.0, np.float32),
+                frequency_penalty=per_seq(batch.frequency_penalty, 0.0, np.float32),
+                min_p=per_seq(batch.min_p, 0.0, np.float32), use_bias=per_seq(batch.use_bias, False, bool),
+                suppress_stop=padded(draw_index < batch.min_tokens[rows_o], num_seqs, False, bool))),
     )
+    plan = StepPlan(order=order, rows=rows_o, generations=batch.generation[rows_o],
+                    draw_positions=start_o + n_o, samples=samples_o,
+                    num_prompt_tokens=int(np.clip(np.minimum(start_o + n_o, batch.prompt_len[rows_o]) - start_o,
+                                                  0, None).sum()),
+                    wants_logprobs=bool((batch.num_logprobs[rows_o][samples_o] >= 0).any()),
+                    wants_prompt_logprobs=bool(wants_plp.any()), next_prompt_ids=next_prompt)
+    return inp, plan
+
+
+class StepPacker:
+    """Moves a StepInput to the device as two buffers (int32 and float32) instead of one transfer per array.
+
+    Built from a template of the step's shapes; `pack` runs on the host, `unpack` inside the jitted step.
+    """
+
+    def __init__(self, template: StepInput):
+        leaves, self.treedef = jax.tree.flatten(template)
+        self.layout = []  # (kind, offset, size, shape, dtype)
+        sizes = {"i": 0, "f": 0}
+        for leaf in leaves:
+            kind = "f" if np.dtype(leaf.dtype) == np.float32 else "i"
+            self.layout.append((kind, sizes[kind], int(np.prod(leaf.shape)), tuple(leaf.shape), np.dtype(leaf.dtype)))
+            sizes[kind] += int(np.prod(leaf.shape))
+        self.sizes = sizes
+
+    def pack(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray]:
+        ints = np.empty(self.sizes["i"], np.int32)
+        floats = np.empty(self.sizes["f"], np.float32)
+        for leaf, (kind, off, size, _, dtype) in zip(jax.tree.leaves(inp), self.layout):
+            if kind == "f":
+                floats[off : off + size] = leaf.ravel()
+            elif dtype == np.uint32:
+                ints[off : off + size] = np.asarray(leaf).ravel().view(np.int32)
+            else:
+                ints[off : off + size] = np.asarray(leaf).ravel()
+        return ints, floats
+
+    def unpack(self, ints, floats) -> StepInput:
+        leaves = []
+        for kind, off, size, shape, dtype in self.layout:
+            x = (floats if kind == "f" else ints)[off : off + size].reshape(shape)
+            if dtype == np.bool_:
+                x = x != 0
+            elif dtype == np.uint32:
+                x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            leaves.append(x)
+        return jax.tree.unflatten(self.treedef, leaves)

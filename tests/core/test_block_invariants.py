@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
@@ -27,8 +27,10 @@ def check_invariants(s: Scheduler) -> None:
     for r in s.running:
         assert len(s.kv.blocks_of(r.request_id)) * bs >= r.num_computed_tokens
         for i, b in enumerate(s.kv.blocks_of(r.request_id)):  # a cached block holds what its holders hold there
-            if b.block_hash is not None:
-                assert b.block_tokens == tuple(r.token_ids_slice(i * bs, (i + 1) * bs)), f"{b} is stale for {r}"
+            if b.block_hash is not None:  # (as far as the holder knows its tokens: a fork made while its parent's
+                # next token was in flight shares a block the parent filled; it copies the block before writing)
+                mine = r.token_ids_slice(i * bs, (i + 1) * bs)
+                assert b.block_tokens[: len(mine)] == tuple(mine), f"{b} is stale for {r}"
                 assert pool.cached.get(b.block_hash) is b
     assert len(s.running) <= s.config.max_num_seqs
     host_held = [h for hs in s.kv.req_to_host_blocks.values() for h in hs]  # the host pool: free xor held, once
@@ -40,7 +42,8 @@ def check_invariants(s: Scheduler) -> None:
 
 def feed_held(s: Scheduler, only: int | None = None) -> None:
     """Append the next token to idle held requests (all, or one chosen by `only`); end those at max_tokens."""
-    idle = [r for r in s.running if r.hold_output and r.num_computed_tokens == r.num_tokens]
+    idle = [r for r in s.running if r.hold_output and r.num_computed_tokens == r.num_tokens
+            and not r.num_output_placeholders]
     if only is not None:
         idle = idle[only % len(idle):][:1] if idle else []
     for r in idle:
@@ -65,19 +68,64 @@ actions = st.lists(
 )
 
 
+def check_step(s: Scheduler, out: SchedulerOutput) -> None:
+    """A step fits the budget and the blocks; it writes no block another request holds, but a full prefix-cache
+    block computed in this very step (same tokens for every holder); copies and swap-ins land in own blocks."""
+    bs = s.kv.block_size
+    assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+    assert len(out.scheduled) <= s.config.max_num_seqs
+    for x in out.scheduled:
+        blocks = s.kv.blocks_of(x.request.request_id)
+        assert len(blocks) * bs >= x.start + x.num_new_tokens
+        written = blocks[x.start // bs : -(-(x.start + x.num_new_tokens) // bs)]
+        assert all(blk.ref_cnt == 1 or blk.block_hash is not None for blk in written), "writes a shared block"
+    for c in out.block_copies:
+        assert s.kv.pool.blocks[c.dst].ref_cnt == 1
+    for _, dev in out.swap_in:
+        assert s.kv.pool.blocks[dev].ref_cnt == 1
+
+
+class Runner:
+    """What the runner knows of block tables, kept only from the changes each SchedulerOutput carries; and,
+    with async scheduling (lag 1), the step in flight whose tokens arrive after the next schedule."""
+
+    def __init__(self, s: Scheduler, lag: int):
+        self.s, self.lag, self.tables, self.in_flight = s, lag, {}, []
+
+    def step(self, token: int) -> SchedulerOutput:
+        out = self.s.schedule()
+        for rid in out.finished_ids + out.preempted_ids:
+            self.tables.pop(rid, None)
+        for x in out.scheduled:
+            rid = x.request.request_id
+            if x.block_ids is not None:
+                self.tables[rid] = list(x.block_ids)
+            else:
+                assert rid in self.tables, f"{rid} sent changes before its whole table"
+                self.tables[rid] += x.new_block_ids
+            assert self.tables[rid] == self.s.kv.block_ids(rid), "the runner's table drifted from the scheduler's"
+        check_step(self.s, out)
+        self.in_flight.append(out)
+        while len(self.in_flight) > self.lag or (self.in_flight and out.is_empty):
+            done = self.in_flight.pop(0)
+            self.s.update_from_output(done, [token] * len(done.scheduled))
+        return out
+
+
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans(),
-       host_blocks=st.sampled_from([None, 0, 3, 40]))
+       host_blocks=st.sampled_from([None, 0, 3, 40]), lag=st.sampled_from([0, 1]))
 def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching,
-                                          host_blocks):
+                                          host_blocks, lag):
     """host_blocks None: recompute preemption; else swap preemption with that many host blocks (0 and 3
-    force the fall back to recompute)."""
+    force the fall back to recompute). lag 1: async scheduling, results one step late."""
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=10_000, policy=policy,
                              preemption_mode="recompute" if host_blocks is None else "swap")
     s = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                          num_host_blocks=host_blocks or 0))
     capacity = (num_blocks - 1) * block_size
+    runner = Runner(s, lag)
     ids = 0
     for kind, a, b in actions:
         if kind == "add_n":
@@ -112,21 +160,7 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
                                   priority=a % 3))
             ids += 1
         elif kind == "step":
-            out = s.schedule()
-            assert out.total_num_scheduled_tokens <= budget
-            assert len(out.scheduled) <= config.max_num_seqs
-            for x in out.scheduled:  # the scheduled tokens fit the request's blocks; a shared block written is
-                # only a full prefix-cache block computed in this very step (same tokens for every holder)
-                assert len(x.block_ids) * block_size >= x.request.num_computed_tokens + x.num_new_tokens
-                first = x.request.num_computed_tokens // block_size
-                last = -(-(x.request.num_computed_tokens + x.num_new_tokens) // block_size)
-                written = s.kv.blocks_of(x.request.request_id)[first:last]
-                assert all(blk.ref_cnt == 1 or blk.block_hash is not None for blk in written), "writes a shared block"
-            for c in out.block_copies:
-                assert s.kv.pool.blocks[c.dst].ref_cnt == 1
-            for _, dev in out.swap_in:  # swapped back into blocks of its own
-                assert s.kv.pool.blocks[dev].ref_cnt == 1
-            s.update_from_output(out, [a + 3] * len(out.scheduled))
+            runner.step(a + 3)
         elif ids:
             rid = f"r{a % ids}"
             s.abort_requests([rid] + [f"{rid}#{i}" for i in range(4)])
@@ -136,9 +170,9 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
         feed_held(s)
         if not s.has_unfinished_requests():
             break
-        out = s.schedule()
-        assert not out.is_empty, "scheduler stalled with unfinished requests"
-        s.update_from_output(out, [3] * len(out.scheduled))
+        had_in_flight = bool(runner.in_flight)
+        out = runner.step(3)
+        assert not out.is_empty or had_in_flight, "scheduler stalled with unfinished requests"
         check_invariants(s)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks - 1

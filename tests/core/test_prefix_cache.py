@@ -34,7 +34,7 @@ def test_common_prefix_shares_exact_blocks():
     out = s.schedule()
     scheduled = {x.request.request_id: x for x in out.scheduled}
     assert s.kv.block_ids("b")[:2] == [1, 2] and s.kv.block_ids("b")[2] not in (1, 2, 3)
-    assert scheduled["b"].num_new_tokens == 3 and b.num_computed_tokens == 8
+    assert scheduled["b"].num_new_tokens == 3 and scheduled["b"].start == 8 and b.num_computed_tokens == 11
     assert s.kv.pool.blocks[1].ref_cnt == 2 and s.kv.pool.blocks[3].ref_cnt == 1
     assert (s.kv.num_queried_tokens, s.kv.num_hit_tokens) == (21, 8)
 
@@ -46,7 +46,7 @@ def test_never_the_last_token():
     again = req("b", range(10, 18))
     s.add_request(again)
     out = s.schedule()
-    assert again.num_computed_tokens == 4 and out.scheduled[0].num_new_tokens == 4  # one block recomputed
+    assert out.scheduled[0].start == 4 and out.scheduled[0].num_new_tokens == 4  # one block recomputed
 
 
 def test_forced_hash_collision_does_not_share(monkeypatch):
@@ -56,8 +56,8 @@ def test_forced_hash_collision_does_not_share(monkeypatch):
     s.schedule()
     b = req("b", range(50, 59))
     s.add_request(b)
-    s.schedule()
-    assert b.num_computed_tokens == 0
+    out = s.schedule()
+    assert out.scheduled[-1].request is b and out.scheduled[-1].start == 0
     assert not set(s.kv.block_ids("a")) & set(s.kv.block_ids("b"))
 
 
@@ -72,8 +72,8 @@ def test_freed_blocks_stay_cached_until_needed_lru():
     s.schedule()
     hit = req("d", range(10, 19))
     s.add_request(hit)
-    s.schedule()
-    assert hit.num_computed_tokens == 8 and s.kv.block_ids("d")[:2] == [1, 2]
+    out = s.schedule()
+    assert out.scheduled[-1].start == 8 and s.kv.block_ids("d")[:2] == [1, 2]
 
 
 def test_prompt_logprobs_and_penalties_skip_hits():
@@ -83,8 +83,9 @@ def test_prompt_logprobs_and_penalties_skip_hits():
     for kw in (dict(prompt_logprobs=1), dict(repetition_penalty=1.2)):
         r = req(f"x{len(kw)}{list(kw)[0]}", range(10, 19), **kw)
         s.add_request(r)
-        s.schedule()
-        assert r.num_computed_tokens == 0
+        out = s.schedule()
+        assert out.scheduled[-1].request is r and out.scheduled[-1].start == 0
+        s.update_from_output(out, [7] * len(out.scheduled))
         run_to_end(s)
 
 
@@ -101,5 +102,4 @@ def test_a_preempted_held_request_whose_blocks_are_all_cached_still_computes_its
     s.update_from_output(out, [7])  # computed, idle: its owner has not appended a token
     s.add_request(Request("r", [10, 10], SamplingParams(max_tokens=1), seed=0, priority=2))  # needs 2 blocks
     out = s.schedule()  # nothing fits: the idle held request yields its blocks and comes back first
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled][0] == ("h", 1)
-    assert held.num_computed_tokens == 1
+    assert [(x.request.request_id, x.start, x.num_new_tokens) for x in out.scheduled][0] == ("h", 1, 1)

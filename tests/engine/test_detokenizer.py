@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_output
 
 TEXTS = [
     "Hello, world! Ünïcödé façade — naïve café, 日本語のテキスト, emoji 🙂🚀👩‍💻 and more.",
@@ -60,6 +60,7 @@ def test_deltas_concatenate_to_the_full_decode(which, request):
             got = stream(tok, prompt, out, rng)
             assert got == full[len(tok.decode(prompt)):]
             assert "\ufffd" not in got
+            assert decode_output(tok, prompt, out) == got  # the one-shot decode of FINAL_ONLY outputs
 
 
 def test_no_replacement_character_mid_stream(smollm2_tokenizer):

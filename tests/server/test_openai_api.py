@@ -308,7 +308,7 @@ def test_health_is_503_once_the_engine_loop_died(live_server):
 
     def broken_step():
         raise RuntimeError("device lost")
-    engine.step = broken_step
+    engine.core.step = broken_step
     doomed = LiveServer(AsyncLLM(engine), API_KEY)
     try:
         async def go():
@@ -323,7 +323,7 @@ def test_health_is_503_once_the_engine_loop_died(live_server):
         healthy, (status, body), after = asyncio.run(go())
         assert healthy == 200 and status == 500 and "device lost" in body["error"]["message"] and after == 503
     finally:
-        del engine.step
-        engine.abort_request(list(engine._parents))
+        del engine.core.step
+        engine.abort_request(list(engine.output.parents))
         doomed.stop()
     assert client(live_server).completions.create(model="tiny", prompt="w5", max_tokens=2).choices

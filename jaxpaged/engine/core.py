@@ -1,0 +1,98 @@
+"""`EngineCore`: the scheduler and the runner, stepping; it knows tokens, not text.
+
+A step schedules, dispatches the jitted step and takes in results. Synchronously, the results are
+those of the step just dispatched. With async scheduling (vLLM's, SGLang's overlap scheduler), step
+N+1 is scheduled and dispatched while the device runs step N, and N's results come in after: each
+`step()` returns the previous step's outputs. The token drawn in step N reaches step N+1 on the
+device; the scheduler counts it as a placeholder until its value arrives. Stop rules, aborts,
+preemption, forks and logprobs behave the same in both modes; a request that ends in step N may
+have one more token computed in step N+1, which is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.request import Request
+from jaxpaged.runner.model_runner import ModelRunner, StepHandle
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one step gave one request: a token (a held request's too), or that it ended."""
+
+    request: Request
+    token: int | None
+    finished: bool
+
+
+@dataclass
+class StepStats:
+    """Counters of one step, for metrics and logs."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled: tuple[Request, ...] = ()
+
+
+class EngineCore:
+    """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
+
+    def __init__(self, config: EngineConfig, model, *, stub: bool = False):
+        self.config = config
+        sc, cc = config.scheduler_config, config.cache_config
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
+                                               enable_prefix_caching=cc.enable_prefix_caching,
+                                               num_host_blocks=cc.num_host_blocks)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.runner = ModelRunner(config, model, stub=stub)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: StepHandle | None = None
+        self.last_stats = StepStats()
+
+    def warmup(self) -> float:
+        return self.runner.warmup()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def step(self) -> list[CoreOutput]:
+        """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async)."""
+        out = self.scheduler.schedule()
+        handle = self.runner.execute(out)
+        stats = StepStats(num_preemptions=len(out.preempted_ids),
+                          first_scheduled=tuple(s.request for s in out.scheduled
+                                                if s.block_ids is not None and s.request.first_scheduled_time is None))
+        now = time.monotonic()
+        for req in stats.first_scheduled:
+            req.first_scheduled_time = now
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, handle
+        else:
+            done = handle
+        outputs = self._take_results(done, stats) if done is not None else []
+        self.last_stats = stats
+        return outputs
+
+    def _take_results(self, handle: StepHandle, stats: StepStats) -> list[CoreOutput]:
+        result = self.runner.fetch(handle)
+        out: SchedulerOutput = handle.out
+        if result.prompt_logprobs is not None:
+            for s, rows in zip(out.scheduled, result.prompt_logprobs):
+                if rows and s.start == len(s.request.prompt_logprob_rows):  # (a recompute adds none)
+                    s.request.prompt_logprob_rows.extend(rows)
+        stats.num_prompt_tokens = result.num_prompt_tokens
+        outputs = []
+        lp = result.logprobs
+        for i, req, token in self.scheduler.update_from_output(out, result.token_ids):
+            if lp is not None and (k := req.sampling_params.logprobs) is not None:
+                req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
+                                            lp[3][i, :k].tolist()))
+            outputs.append(CoreOutput(req, token, req.finished))
+        stats.num_generation_tokens = len(outputs)
+        return outputs
