@@ -41,6 +41,7 @@ def _serve(ns: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.bench import host as host_bench
     from jaxpaged.bench import kernels as kernel_bench
     from jaxpaged.bench import serve as serve_bench
     from jaxpaged.bench import throughput
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bench_sub.add_parser("serve", help="streaming load against an OpenAI-compatible server")
     serve_bench.add_args(sv)
     sv.set_defaults(func=serve_bench.main)
+    hb = bench_sub.add_parser("host", help="host milliseconds per engine step, the device step stubbed out")
+    host_bench.add_args(hb)
+    hb.set_defaults(func=host_bench.main)
     kb = bench_sub.add_parser("kernels", help="Pallas kernels against their references (run it on a GPU)")
     kernel_bench.add_args(kb)
     kb.set_defaults(func=kernel_bench.main)

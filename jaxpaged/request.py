@@ -18,19 +18,17 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
 
     @property
-    def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
-
-    @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
 
 
-@dataclass(eq=False)
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
+for _status in RequestStatus:  # a plain attribute: read for every request on every step
+    _status.finished = _status.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated. `num_computed_tokens` catches up to `num_tokens` step by step."""
 
@@ -46,6 +44,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens scheduled so far (counted when scheduled, before the step runs)
     num_output_placeholders: int = 0  # tokens being drawn by scheduled steps whose results are not in yet
     needs_full_table: bool = False  # (scheduler) the runner gets the whole block table with the next step
+    batch_row: int = -1  # (runner) its row in the persistent input batch, -1 when it has none
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -43,14 +43,24 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step
     samples: bool  # the step reaches the end of the request's tokens, so it draws the next one
     block_ids: list[int] | None = None  # the whole table, when the request (re)enters the batch or a block changed
-    new_block_ids: list[int] = field(default_factory=list)  # else: blocks appended this step
+    new_block_ids: list[int] | tuple = ()  # else: blocks appended this step
 
 
 @dataclass
 class SchedulerOutput:
-    """What the runner executes this step, in order."""
+    """What the runner executes this step, in order.
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    The scheduled requests are parallel lists (index i is one request's share of the step), so a step of a
+    thousand decodes costs a few list appends each; block-table changes are sparse, keyed by index.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # num_computed_tokens before this step
+    samples: list[bool] = field(default_factory=list)  # the step reaches the end of the tokens: it draws one
+    block_ids: dict[int, list[int]] = field(default_factory=dict)  # whole tables: requests (re)entering the batch,
+    # or whose table copy-on-write changed
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # blocks appended this step
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their rows)
     fork_copies: list[BlockCopy] = field(default_factory=list)  # forks by copy since the last step: done first
@@ -58,13 +68,31 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
 
+    def add(self, req: Request, n: int, start: int, samples: bool, block_ids: list[int] | None = None,
+            new_block_ids: list[int] | None = None) -> None:
+        i = len(self.requests)
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        self.starts.append(start)
+        self.samples.append(samples)
+        if block_ids is not None:
+            self.block_ids[i] = block_ids
+        elif new_block_ids:
+            self.new_block_ids[i] = new_block_ids
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The step as one record per request (for tests and tools; the hot paths read the lists)."""
+        return [ScheduledRequest(r, n, st, sa, self.block_ids.get(i), self.new_block_ids.get(i, ()))
+                for i, (r, n, st, sa) in enumerate(zip(self.requests, self.num_new_tokens, self.starts, self.samples))]
+
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(self.num_new_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.requests
 
     @property
     def moves_blocks(self) -> bool:
@@ -167,29 +195,62 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids, fork_copies=self.kv.take_copies())
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        kv, running = self.kv, self.running
+        req_blocks, bs, caching, num_cached = kv.req_to_blocks, kv.block_size, kv.enable_prefix_caching, kv.req_to_num_cached
+        add_req, add_n, add_start, add_samples = (out.requests.append, out.num_new_tokens.append, out.starts.append,
+                                                  out.samples.append)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(self._num_to_compute(req), budget)
+        while i < len(running) and budget > 0:  # (the hot loop: one pass over every running request)
+            req = running[i]
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            computed = req.num_computed_tokens
+            placeholders = req.num_output_placeholders
+            if req.hold_output:
+                end = known
+            elif placeholders and self._at_limit(req, placeholders):
+                end = computed  # its token in flight may be its last: wait for it
+            else:
+                end = known + placeholders
+            n = end - computed
+            if n > budget:
+                n = budget
             if n <= 0:  # a held request waiting for its owner's token, or one at its limit with a token in flight
                 i += 1
                 continue
-            copies = len(self.kv.pending_copies)
-            new = self.kv.allocate_slots(req, n)
-            if new is not None:
-                self._schedule(out, req, n, new, full_table=len(self.kv.pending_copies) != copies)
-                budget -= n
-                i += 1
-                continue
-            victim = self._pick_victim(start=i)
-            self._preempt(victim, out)
-            out.preempted_ids.append(victim.request_id)
-            # `victim` is at index >= i, so scheduled requests keep their slots; retry `req` (or the next).
+            # In place (the common case, a decode): the tokens fall in one block the request holds alone and fill
+            # no block to cache, so `allocate_slots` would do nothing (checked here: it runs for every request).
+            blocks = req_blocks.get(req.request_id)
+            first = computed // bs
+            if (req.needs_full_table or not blocks or first != (computed + n - 1) // bs or first >= len(blocks)
+                    or blocks[first].ref_cnt != 1
+                    or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
+                copies = len(kv.pending_copies)
+                new = kv.allocate_slots(req, n)
+                if new is None:
+                    victim = self._pick_victim(start=i)
+                    self._preempt(victim, out)
+                    out.preempted_ids.append(victim.request_id)
+                    continue  # `victim` is at index >= i, so scheduled requests keep their slots; retry `req`
+                if req.needs_full_table or len(kv.pending_copies) != copies:
+                    out.block_ids[len(out.requests)] = kv.block_ids(req.request_id)
+                    req.needs_full_table = False
+                elif new:
+                    out.new_block_ids[len(out.requests)] = [b.block_id for b in new]
+            samples = computed + n == end
+            add_req(req)
+            add_n(n)
+            add_start(computed)
+            add_samples(samples)
+            req.num_computed_tokens = computed + n
+            if samples:
+                req.num_output_placeholders = placeholders + 1
+            budget -= n
+            i += 1
 
         if not out.preempted_ids:  # no admissions in a step that had to preempt
             self._admit(out, budget)
             for _ in range(len(self.running)):  # (bounded: each round preempts a different request)
-                if out.scheduled or not len(self.waiting):
+                if out.requests or not len(self.waiting):
                     break
                 # Nothing runs: idle held requests (beams waiting for their siblings) may hold the blocks the
                 # waiting siblings need. Recompute the newest of them later, behind the waiting ones.
@@ -218,17 +279,13 @@ class Scheduler:
             return True
         return req.num_tokens + extra >= self.config.max_model_len
 
-    def _schedule(self, out: SchedulerOutput, req: Request, n: int, new_blocks, *, full_table: bool) -> None:
-        """Record `n` tokens of `req` in `out` and count them as computed (a step reaching the end draws a token)."""
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Record `n` tokens of a request (re)entering the batch, with its whole table, and count them computed."""
         start = req.num_computed_tokens
         end = start + n
         samples = end == req.num_tokens + (0 if req.hold_output else req.num_output_placeholders)
-        if full_table or req.needs_full_table:
-            s = ScheduledRequest(req, n, start, samples, block_ids=self.kv.block_ids(req.request_id))
-            req.needs_full_table = False
-        else:
-            s = ScheduledRequest(req, n, start, samples, new_block_ids=[b.block_id for b in new_blocks])
-        out.scheduled.append(s)
+        out.add(req, n, start, samples, block_ids=self.kv.block_ids(req.request_id))
+        req.needs_full_table = False
         req.num_computed_tokens = end
         if samples:
             req.num_output_placeholders += 1
@@ -267,7 +324,7 @@ class Scheduler:
             req.needs_full_table = True
             self.running.append(req)
             if n:  # (a swapped-in held request may have nothing to compute yet)
-                self._schedule(out, req, n, (), full_table=True)
+                self._schedule(out, req, n)
             budget -= n
         for req in reversed(skipped):
             self.waiting.add(req, front=True)
@@ -316,21 +373,22 @@ class Scheduler:
         """Resolve the placeholders of `out`'s sampling requests with their tokens; apply the stop rules; free
         the requests that finished.
 
-        `sampled_token_ids[i]` is the token drawn for `out.scheduled[i]` (ignored where it draws none).
-        Returns (index in out.scheduled, request, token) for each request that got a token (held requests
+        `sampled_token_ids[i]` is the token drawn for `out.requests[i]` (ignored where it draws none).
+        Returns (index in out.requests, request, token) for each request that got a token (held requests
         included: their owner appends it). Tokens of requests that ended meanwhile (abort, stop string, an earlier stop while this
         step was in flight) are dropped.
         """
         results = []
         stopped = False
-        for i, s in enumerate(out.scheduled):
-            if not s.samples:
+        tokens = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else list(sampled_token_ids)
+        max_len = self.config.max_model_len
+        for i, (req, draws) in enumerate(zip(out.requests, out.samples)):
+            if not draws:
                 continue
-            req = s.request
             req.num_output_placeholders -= 1
-            if req.finished:
+            if req.status.finished:
                 continue
-            token = int(sampled_token_ids[i])
+            token = tokens[i]
             if req.hold_output:
                 results.append((i, req, token))
                 continue
@@ -339,7 +397,13 @@ class Scheduler:
                 for child in req.pending_forks:
                     self.fork(req, child, len(req.prompt_token_ids) - 1)
                 req.pending_forks = []
-            req.output_token_ids.append(token)
+            out_ids = req.output_token_ids
+            out_ids.append(token)
+            p = req.sampling_params
+            if (token not in req.eos_token_ids and not p.stop_token_ids and len(out_ids) < (p.max_tokens or max_len)
+                    and len(out_ids) + len(req.prompt_token_ids) < max_len):
+                results.append((i, req, token))  # (the common case: no stop rule applies)
+                continue
             status = self._check_stop(req, token)
             if status is not None:
                 if req.status == RequestStatus.RUNNING:

@@ -21,13 +21,9 @@ from jaxpaged.request import Request
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
 
 
-@dataclass(slots=True)
-class CoreOutput:
-    """What one step gave one request: a token (a held request's too), or that it ended."""
-
-    request: Request
-    token: int | None
-    finished: bool
+# What one step gave one request: (request, token, whether the request ended with it). Plain tuples: a step
+# makes one per running request. A held request's token is its draw (its owner appends it or not).
+CoreOutput = tuple[Request, int, bool]
 
 
 @dataclass
@@ -66,8 +62,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         handle = self.runner.execute(out)
         stats = StepStats(num_preemptions=len(out.preempted_ids),
-                          first_scheduled=tuple(s.request for s in out.scheduled
-                                                if s.block_ids is not None and s.request.first_scheduled_time is None))
+                          first_scheduled=tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time
+                                                is None))
         now = time.monotonic()
         for req in stats.first_scheduled:
             req.first_scheduled_time = now
@@ -83,16 +79,16 @@ class EngineCore:
         result = self.runner.fetch(handle)
         out: SchedulerOutput = handle.out
         if result.prompt_logprobs is not None:
-            for s, rows in zip(out.scheduled, result.prompt_logprobs):
-                if rows and s.start == len(s.request.prompt_logprob_rows):  # (a recompute adds none)
-                    s.request.prompt_logprob_rows.extend(rows)
+            for req, start, rows in zip(out.requests, out.starts, result.prompt_logprobs):
+                if rows and start == len(req.prompt_logprob_rows):  # (a recompute adds none)
+                    req.prompt_logprob_rows.extend(rows)
         stats.num_prompt_tokens = result.num_prompt_tokens
-        outputs = []
+        advanced = self.scheduler.update_from_output(out, result.token_ids)
         lp = result.logprobs
-        for i, req, token in self.scheduler.update_from_output(out, result.token_ids):
-            if lp is not None and (k := req.sampling_params.logprobs) is not None:
-                req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
-                                            lp[3][i, :k].tolist()))
-            outputs.append(CoreOutput(req, token, req.finished))
-        stats.num_generation_tokens = len(outputs)
-        return outputs
+        if lp is not None:
+            for i, req, _ in advanced:
+                if (k := req.sampling_params.logprobs) is not None:
+                    req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
+                                                lp[3][i, :k].tolist()))
+        stats.num_generation_tokens = len(advanced)
+        return [(req, token, req.status.finished) for _, req, token in advanced]

@@ -45,6 +45,7 @@ class _Sample:
     final_text: str | None = None  # set when a stop string cut the text, or at the end
     stop_checked: int = 0  # text length already searched for stop strings
     num_tokens: int = 0  # output tokens taken in (the core may be ahead, with tokens this sample will drop)
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # (its parent's)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list | None = None  # [{token id: Logprob}] per output token, built as tokens arrive
@@ -107,7 +108,7 @@ class OutputProcessor:
             det = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens,
                                          spaces_between_special_tokens=p.spaces_between_special_tokens
                                          ) if incremental else None
-            sample = _Sample(i, req, det, logprobs=[] if p.logprobs is not None else None)
+            sample = _Sample(i, req, det, logprobs=[] if p.logprobs is not None else None, kind=kind)
             parent.samples.append(sample)
             self.sample_of[req.request_id] = sample
             self.parent_of[req.request_id] = parent
@@ -138,25 +139,38 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
-        for o in outputs:
-            sample = self.sample_of.get(o.request.request_id)
-            if sample is None or sample.finished:
+        first, between, queued = [], [], []  # latencies, observed once per step
+        sample_of, parent_of, final_only = self.sample_of, self.parent_of, RequestOutputKind.FINAL_ONLY
+        for req, token, ended in outputs:
+            sample = sample_of.get(req.request_id)
+            if sample is None or sample.finish_reason is not None:
                 continue  # aborted, or ended by a stop string while a step was in flight
-            parent = self.parent_of[o.request.request_id]
-            req = sample.request
-            self._observe_token(req, now)
+            last = req.last_token_time
+            if last is None:
+                first.append(now - req.arrival_time)
+                if req.first_scheduled_time is not None:
+                    queued.append(req.first_scheduled_time - req.arrival_time)
+            else:
+                between.append(now - last)
+            req.last_token_time = now
             sample.num_tokens += 1
             if sample.logprobs is not None:
-                sample.logprobs.append(self._logprob_entry(o.token, req.output_logprobs[sample.num_tokens - 1]))
+                sample.logprobs.append(self._logprob_entry(token, req.output_logprobs[sample.num_tokens - 1]))
             if sample.detokenizer is not None:
-                sample.detokenizer.add_tokens([o.token])
+                sample.detokenizer.add_tokens([token])
                 if req.sampling_params.stop and self._check_stop_strings(sample):
                     stopped.append(req.request_id)
-            if o.finished and not sample.finished:
+            if ended and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = req.status.finish_reason, req.stop_reason
-            if sample.finished:
+            if sample.finish_reason is not None:
                 self._finish(sample, now)
+            elif sample.kind is final_only:
+                continue
+            parent = parent_of[req.request_id]
             touched[parent.request_id] = parent
+        self.metrics.ttft.observe_many(first)
+        self.metrics.itl.observe_many(between)
+        self.metrics.queue_time.observe_many(queued)
         results = []
         for parent in touched.values():
             if parent.kind != RequestOutputKind.FINAL_ONLY or parent.finished:
@@ -199,15 +213,6 @@ class OutputProcessor:
         for s in parent.samples:
             self.sample_of.pop(s.request.request_id, None)
             self.parent_of.pop(s.request.request_id, None)
-
-    def _observe_token(self, req: Request, now: float) -> None:
-        if req.last_token_time is None:
-            self.metrics.ttft.observe(now - req.arrival_time)
-            if req.first_scheduled_time is not None:
-                self.metrics.queue_time.observe(req.first_scheduled_time - req.arrival_time)
-        else:
-            self.metrics.itl.observe(now - req.last_token_time)
-        req.last_token_time = now
 
     def _logprob_entry(self, token: int, info) -> dict[int, Logprob]:
         """vLLM's {token id: Logprob} for one generated token: the top k alternatives and the token itself."""

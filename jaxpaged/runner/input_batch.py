@@ -52,6 +52,7 @@ class InputBatch:
         row = self._free.pop()
         self.row_of[req.request_id] = row
         self.requests[row] = req
+        req.batch_row = row
         self.generation[row] += 1
         tokens = req.prompt_token_ids + req.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
@@ -73,6 +74,7 @@ class InputBatch:
     def remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
+            self.requests[row].batch_row = -1
             self.requests[row] = None
             self.generation[row] += 1
             self._free.append(row)

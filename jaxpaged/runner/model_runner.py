@@ -117,7 +117,7 @@ class StepHandle:
 
 @dataclass
 class StepResult:
-    """A step's results, aligned with `SchedulerOutput.scheduled` (numpy)."""
+    """A step's results, aligned with `SchedulerOutput.requests` (numpy)."""
 
     token_ids: np.ndarray  # [n] the drawn token; -1 where the request draws none
     num_prompt_tokens: int  # prompt tokens the step computed
@@ -204,31 +204,27 @@ class ModelRunner:
         if out.is_empty:
             return None
         reset = np.zeros(self.num_rows, bool)
-        rows, n, start, samples = [], [], [], []
-        row_of = batch.row_of
-        for s in out.scheduled:
-            req = s.request
-            row = row_of.get(req.request_id)
-            if row is None:
-                row = batch.add(req, s.block_ids)
+        requests = out.requests
+        for i, block_ids in out.block_ids.items():  # requests entering the batch, or whose table changed
+            req = requests[i]
+            if req.batch_row < 0:
+                row = batch.add(req, block_ids)
                 reset[row] = True
                 if req.processor_rows is not None and not self.stub:
                     bias, min_mask = req.processor_rows
                     self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
-            elif s.block_ids is not None:
-                batch.set_blocks(row, s.block_ids)
-            elif s.new_block_ids:
-                batch.append_blocks(row, s.new_block_ids)
-            if req.hold_output:
-                batch.refresh_tokens(row)
-            rows.append(row)
-            n.append(s.num_new_tokens)
-            start.append(s.start)
-            samples.append(s.samples)
-        n_arr = np.array(n, np.int32)
-        t = pick_token_bucket(self.buckets, int(n_arr.sum()))
-        inp, plan = build_step_input(batch, np.array(rows, np.int32), n_arr, np.array(start, np.int32),
-                                     np.array(samples, bool), t, self._num_seqs(t), self.geometry, reset)
+            else:
+                batch.set_blocks(req.batch_row, block_ids)
+        for i, block_ids in out.new_block_ids.items():
+            batch.append_blocks(requests[i].batch_row, block_ids)
+        rows = np.array([r.batch_row for r in requests], np.int32)
+        for row in rows[batch.held[rows]]:  # beams: their owner appended tokens since
+            batch.refresh_tokens(int(row))
+        n = np.array(out.num_new_tokens, np.int32)
+        start = np.array(out.starts, np.int32)
+        samples = np.array(out.samples, bool)
+        t = pick_token_bucket(self.buckets, int(n.sum()))
+        inp, plan = build_step_input(batch, rows, n, start, samples, t, self._num_seqs(t), self.geometry, reset)
         ints, floats = self._packers[t].pack(inp)
         if self.stub:
             return StepHandle(out, plan, np.full(len(plan.order), 7, np.int32), None)
@@ -270,10 +266,10 @@ class ModelRunner:
         """Per scheduled request: (next prompt token, logprob, rank, top ids, top logprobs) of each fed token."""
         lp, rank, top_ids, top_lp = prompt_lp
         plan, out = handle.plan, handle.out
-        per_request: list = [None] * len(out.scheduled)
+        per_request: list = [None] * len(out.requests)
         t = 0
         for j in plan.order:
-            n = out.scheduled[j].num_new_tokens
+            n = out.num_new_tokens[j]
             ids = plan.next_prompt_ids[t : t + n]
             if (ids >= 0).any():
                 per_request[j] = [(int(ids[r]), float(lp[t + r]), int(rank[t + r]), top_ids[t + r], top_lp[t + r])

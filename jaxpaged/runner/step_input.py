@@ -52,7 +52,7 @@ class StepGeometry:
 class StepPlan:
     """Where a step's sequences came from, to map its results back (host side)."""
 
-    order: np.ndarray  # [n] index into SchedulerOutput.scheduled of each sequence row of the step
+    order: np.ndarray  # [n] index into SchedulerOutput.requests of each sequence row of the step
     rows: np.ndarray  # [n] batch row of each sequence
     generations: np.ndarray  # [n] the rows' generations when the step was built
     draw_positions: np.ndarray  # [n] position of the token each sequence draws (where it samples)
