@@ -42,6 +42,7 @@ def _serve(ns: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import host as host_bench
+    from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
     from jaxpaged.bench import kernels as kernel_bench
     from jaxpaged.bench import serve as serve_bench
     from jaxpaged.bench import throughput
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bench_sub.add_parser("serve", help="streaming load against an OpenAI-compatible server")
     serve_bench.add_args(sv)
     sv.set_defaults(func=serve_bench.main)
+    dm = bench_sub.add_parser("dummy-model", help="write a weightless Llama-shaped model folder (load_format dummy)")
+    dm.add_argument("output", help="the folder to write")
+    dm.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="(default: %(default)s)")
+    dm.set_defaults(func=lambda ns: print(write_dummy_model(ns.output, ns.shape)))
     hb = bench_sub.add_parser("host", help="host milliseconds per engine step, the device step stubbed out")
     host_bench.add_args(hb)
     hb.set_defaults(func=host_bench.main)

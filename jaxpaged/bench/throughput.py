@@ -31,15 +31,16 @@ def summarize(backend: str, reqs: list[BenchRequest], wall: float, warmup: float
     }
 
 
-def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged") -> dict:
-    """Generate the workload with `LLM.generate` (sampling at temperature 1, EOS ignored, n samples each)."""
+def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
+                 temperature: float = 1.0) -> dict:
+    """Generate the workload with `LLM.generate` (EOS ignored, n samples each)."""
     from jaxpaged import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
     warmup = time.perf_counter() - t0
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n)
-              for r in reqs]
+    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n,
+                             seed=i) for i, r in enumerate(reqs)]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params)
     wall = time.perf_counter() - t0
@@ -50,7 +51,9 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
     result = summarize(label, reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
                        kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
                        compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
-                       prefix_cache_queried_tokens=kv.num_queried_tokens)
+                       prefix_cache_queried_tokens=kv.num_queried_tokens,
+                       async_scheduling=eng.config.async_scheduling)
+    result["token_ids"] = [o.outputs[0].token_ids for o in outs]
     if n > 1:  # every sample's tokens count as output
         result["output_tokens"] *= n
         result["output_tokens_per_s"] *= n
@@ -79,7 +82,8 @@ def run_beam_search(reqs: list[BenchRequest], engine_args: EngineArgs, width: in
     return result
 
 
-def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
+def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, temperature: float = 1.0,
+           load_format: str = "auto", dtype: str = "float32") -> dict:
     """HF transformers `generate` in static batches: left padding, each batch runs to its longest output."""
     import os
 
@@ -91,7 +95,14 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
     t0 = time.perf_counter()
     kw = {"gguf_file": os.path.basename(model_path)} if is_gguf(model_path) else {}
     folder = os.path.dirname(model_path) if kw else model_path
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if load_format == "dummy":
+        from transformers import AutoConfig
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").to(device).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kw).to(device).eval()
     warmup = time.perf_counter() - t0
     from tqdm.auto import tqdm
 
@@ -105,12 +116,14 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int) -> dict:
             ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[j, width - len(r.prompt_token_ids):] = 1
         n = max(r.output_len for r in batch)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+            do_sample=False)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0, **sampling)
         assert out.shape[1] == width + n
     wall = time.perf_counter() - t0
-    return summarize("hf", reqs, wall, warmup, hf_batch_size=batch_size)
+    return summarize("hf", reqs, wall, warmup, hf_batch_size=batch_size, dtype=dtype)
 
 
 def print_table(results: list[dict]) -> None:
@@ -134,7 +147,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="16:512", help="N or LO:HI (uniform, inclusive)")
     p.add_argument("--output-len", default="16:256", help="N or LO:HI (uniform, inclusive)")
     p.add_argument("--backend", choices=["jaxpaged", "hf"], default="jaxpaged")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF static batching, print the ratio")
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None,
+                   help="also run HF static batching or vLLM (--vllm-python), print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max_num_seqs)")
     p.add_argument("--shared-prefix", default=None, metavar="PREFIX:SUFFIX",
                    help="shared-prefix workload: every prompt is one PREFIX-token prefix + a SUFFIX-token suffix "
@@ -147,6 +161,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-sharing", action="store_true",
                    help="run jaxpaged with KV sharing (forked blocks, prefix caching) and without, and compare "
                         "peak KV blocks")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: %(default)s)")
+    p.add_argument("--compare-async", action="store_true",
+                   help="run jaxpaged with async scheduling off and on, and compare")
+    p.add_argument("--vllm-python", default=None,
+                   help="with --compare vllm: the python of a venv with vLLM installed (run in a subprocess)")
     p.add_argument("--output-json", default="bench_results/throughput.json")
     EngineArgs.add_cli_args(p)
 
@@ -190,17 +209,37 @@ def main(ns: argparse.Namespace) -> list[dict]:
             args = dataclasses.replace(engine_args, enable_prefix_caching=on)
             results.append(run_jaxpaged(reqs, args, ns.n, f"jaxpaged prefix-cache {'on' if on else 'off'}"))
         return _report(results, ns)
+    if ns.compare_async:
+        import dataclasses
+
+        for on in (False, True):
+            args = dataclasses.replace(engine_args, async_scheduling=on)
+            results.append(run_jaxpaged(reqs, args, ns.n, f"jaxpaged async {'on' if on else 'off'}",
+                                        ns.temperature))
+        if ns.temperature == 0:
+            assert results[0]["token_ids"] == results[1]["token_ids"], "async scheduling changed greedy outputs"
+        return _report(results, ns)
     backends = [ns.backend] + ([ns.compare] if ns.compare and ns.compare != ns.backend else [])
     for b in backends:
         if b == "jaxpaged":
-            results.append(run_jaxpaged(reqs, engine_args, ns.n))
+            results.append(run_jaxpaged(reqs, engine_args, ns.n, temperature=ns.temperature))
+        elif b == "vllm":
+            from jaxpaged.bench.vllm_peer import run_vllm
+
+            results.append(run_vllm(reqs, engine_args, ns.vllm_python, ns.temperature))
         else:
             bs = ns.hf_batch_size or engine_args.max_num_seqs or 64
-            results.append(run_hf(reqs, engine_args.model, bs))
+            results.append(run_hf(reqs, engine_args.model, bs, ns.temperature, engine_args.load_format,
+                                  engine_args.resolved_dtype()))
     return _report(results, ns)
 
 
 def _report(results: list[dict], ns: argparse.Namespace) -> list[dict]:
+    same = [r.pop("token_ids", None) for r in results]
+    if ns.temperature == 0 and len(same) == 2 and None not in same:
+        print(f"greedy outputs equal: {same[0] == same[1]}")
+        for r in results:
+            r["greedy_outputs_equal"] = same[0] == same[1]
     for r in results:
         r.update(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed,
                  shared_prefix=ns.shared_prefix)

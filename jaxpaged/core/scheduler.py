@@ -197,6 +197,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv, running = self.kv, self.running
         req_blocks, bs, caching, num_cached = kv.req_to_blocks, kv.block_size, kv.enable_prefix_caching, kv.req_to_num_cached
+        max_len = self.config.max_model_len
         add_req, add_n, add_start, add_samples = (out.requests.append, out.num_new_tokens.append, out.starts.append,
                                                   out.samples.append)
         i = 0
@@ -205,12 +206,13 @@ class Scheduler:
             known = len(req.prompt_token_ids) + len(req.output_token_ids)
             computed = req.num_computed_tokens
             placeholders = req.num_output_placeholders
+            end = known + placeholders
             if req.hold_output:
                 end = known
-            elif placeholders and self._at_limit(req, placeholders):
-                end = computed  # its token in flight may be its last: wait for it
-            else:
-                end = known + placeholders
+            elif placeholders:  # (async scheduling) if a token in flight may be its last, wait for it
+                max_tokens = req.sampling_params.max_tokens
+                if end >= max_len or (max_tokens is not None and len(req.output_token_ids) + placeholders >= max_tokens):
+                    end = computed
             n = end - computed
             if n > budget:
                 n = budget
@@ -249,11 +251,13 @@ class Scheduler:
 
         if not out.preempted_ids:  # no admissions in a step that had to preempt
             self._admit(out, budget)
-            for _ in range(len(self.running)):  # (bounded: each round preempts a different request)
+            in_flight = any(r.num_output_placeholders for r in self.running) if not out.requests else True
+            for _ in range(0 if in_flight else len(self.running)):  # (bounded: each preempts another request)
                 if out.requests or not len(self.waiting):
                     break
-                # Nothing runs: idle held requests (beams waiting for their siblings) may hold the blocks the
-                # waiting siblings need. Recompute the newest of them later, behind the waiting ones.
+                # Nothing runs and no step is in flight: idle held requests (beams waiting for their siblings) may
+                # hold the blocks the waiting siblings need. Recompute the newest of them later, behind the waiting
+                # ones. (With a step in flight, its results may let the owners go on: wait for them.)
                 idle = [r for r in self.running if r.hold_output and self._num_to_compute(r) == 0
                         and not r.num_output_placeholders]
                 if not idle:

@@ -1,0 +1,92 @@
+"""The project's GPU benchmark: one script, each stage time-boxed, one table at the end.
+
+    PYTHONPATH=. python -m jaxpaged.bench.gpu --output-dir "$OUT"          # on a machine with an NVIDIA GPU
+    PYTHONPATH=. python -m jaxpaged.bench.gpu --smoke --output-dir /tmp/x  # the same stages, tiny, on CPU
+
+Stages (each a subprocess with its own time limit, so one that hangs or fails costs only itself):
+  1. a weightless 1.07B Llama-shaped model (Llama-3.2-1B layers, SmolLM2's 49,152-token vocabulary);
+  2. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
+     bf16, max_num_seqs 256, then 512 (async scheduling on), then 256 with async scheduling off;
+  3. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
+  4. `jaxpaged bench kernels`.
+Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
+and `gpu_bench.json` under --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+STAGES = {  # name -> (time limit in seconds, smoke time limit)
+    "jaxpaged_seqs256": (150, 300), "jaxpaged_seqs512": (100, 300), "jaxpaged_sync_seqs256": (100, 300),
+    "hf_static_bs256": (120, 300), "kernels": (60, 300),
+}
+
+
+def _throughput_cmd(model: str, out: str, ns, *, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "jaxpaged", "bench", "throughput", "--model", model, "--load-format", "dummy",
+            "--num-prompts", str(ns.num_prompts), "--input-len", ns.input_len, "--output-len", ns.output_len,
+            "--temperature", "0", "--seed", "0", "--output-json", out, *extra]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-dir", default="bench_results/gpu")
+    p.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script on CPU)")
+    ns = p.parse_args(argv)
+    ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
+    os.makedirs(ns.output_dir, exist_ok=True)
+    from jaxpaged.bench.dummy_model import write_dummy_model
+
+    model = write_dummy_model(os.path.join(ns.output_dir, "model"), "tiny" if ns.smoke else "1b",
+                              max_position_embeddings=1024)
+    dtype = "float32" if ns.smoke else "bfloat16"
+    stages = {
+        "jaxpaged_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype]),
+        "jaxpaged_seqs512": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "512", "--dtype", dtype]),
+        "jaxpaged_sync_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype,
+                                                                       "--no-async-scheduling"]),
+        "hf_static_bs256": _throughput_cmd(model, "", ns, extra=["--backend", "hf", "--hf-batch-size", "256",
+                                                                 "--dtype", dtype]),
+        "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
+    }
+    rows = []
+    for name, cmd in stages.items():
+        out = os.path.join(ns.output_dir, f"{name}.json")
+        if "--output-json" in cmd:
+            cmd[cmd.index("--output-json") + 1] = out
+        else:
+            cmd += ["--output-json", out]
+        limit = STAGES[name][1 if ns.smoke else 0]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+            status = "ok" if proc.returncode == 0 else f"failed ({proc.returncode})"
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            status, log = f"timed out after {limit} s", (e.stdout or b"").decode() + (e.stderr or b"").decode()
+        with open(os.path.join(ns.output_dir, f"{name}.log"), "w") as f:
+            f.write(log)
+        row = {"stage": name, "status": status, "stage_s": round(time.perf_counter() - t0, 1)}
+        if status == "ok" and name != "kernels":
+            r = json.load(open(out))[0]
+            row.update(output_tok_s=round(r["output_tokens_per_s"], 1), wall_s=round(r["wall_s"], 2),
+                       warmup_s=round(r["warmup_s"], 1), num_steps=r.get("num_steps"))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| stage | status | output tok/s | wall s | warmup s | stage s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['stage']} | {r['status']} | {r.get('output_tok_s', '-')} | {r.get('wall_s', '-')} | "
+              f"{r.get('warmup_s', '-')} | {r['stage_s']} |")
+    with open(os.path.join(ns.output_dir, "gpu_bench.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
