@@ -55,7 +55,9 @@ class EngineCore:
         return self.runner.warmup()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Whether any request runs or waits. (A step may still be in flight: its results concern only
+        finished requests then, and the next step drops them.)"""
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[CoreOutput]:
         """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async)."""

@@ -54,9 +54,13 @@ def llm_and_hf(model_with_frequent_eos):
     return LLM(path, num_kv_blocks=96, max_num_batched_tokens=64, compile_guard=True), load_hf_model(path), eos
 
 
-@pytest.mark.parametrize("width,length_penalty,ignore_eos", [(3, 1.0, False), (4, 0.5, False), (2, 1.0, True)])
-def test_beam_search_matches_hf(llm_and_hf, width, length_penalty, ignore_eos):
+@pytest.mark.parametrize("width,length_penalty,ignore_eos", [(3, 1.0, False), (4, 0.5, False), (2, 1.0, True),
+                                                             ("sync", 1.0, False)])
+def test_beam_search_matches_hf(llm_and_hf, model_with_frequent_eos, width, length_penalty, ignore_eos):
     llm, hf, eos = llm_and_hf
+    if width == "sync":  # width 3 on an engine without async scheduling
+        width, llm = 3, LLM(model_with_frequent_eos[0], num_kv_blocks=96, max_num_batched_tokens=64,
+                            compile_guard=True, async_scheduling=False)
     params = BeamSearchParams(beam_width=width, max_tokens=12, length_penalty=length_penalty, ignore_eos=ignore_eos)
     outs = llm.beam_search(PROMPTS, params, use_tqdm=False)
     ended_by_eos = 0

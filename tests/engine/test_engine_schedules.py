@@ -22,7 +22,14 @@ def expected(tiny_model_dir):
     return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()]
 
 
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def mode(request) -> dict:
+    """Each schedule runs with async scheduling (the default) and without: greedy outputs must be equal."""
+    return {"async_scheduling": request.param}
+
+
 def run(path, **engine_args):
+    engine_args.setdefault("max_num_batched_tokens", 128)  # (every prompt whole; few step buckets to compile)
     llm = LLM(path, compile_guard=True, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts(), params, use_tqdm=False)
@@ -30,31 +37,31 @@ def run(path, **engine_args):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_block_sizes(block_size, tiny_model_dir, expected):
-    llm, got = run(tiny_model_dir("llama"), block_size=block_size, num_kv_blocks=64)
+def test_block_sizes(block_size, tiny_model_dir, expected, mode):
+    llm, got = run(tiny_model_dir("llama"), block_size=block_size, num_kv_blocks=64, **mode)
     assert got == expected
     assert llm.engine.kv_cache_manager.num_free_blocks == 63  # everything freed
 
 
-def test_chunked_prefill_small_budget(tiny_model_dir, expected):
-    llm, got = run(tiny_model_dir("llama"), max_num_batched_tokens=32, num_kv_blocks=64)
+def test_chunked_prefill_small_budget(tiny_model_dir, expected, mode):
+    llm, got = run(tiny_model_dir("llama"), max_num_batched_tokens=32, num_kv_blocks=64, **mode)
     assert got == expected
     assert llm.engine.stats.num_steps > NEW_TOKENS  # prompts really were split over steps
 
 
-def test_preemption_keeps_outputs(tiny_model_dir, expected):
+def test_preemption_keeps_outputs(tiny_model_dir, expected, mode):
     # 12 usable blocks of 16 tokens: the six requests (up to 94 tokens each) cannot all fit.
-    llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64)
+    llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64, **mode)
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert llm.engine.kv_cache_manager.num_free_blocks == 12
 
 
 @pytest.mark.parametrize("swap_space", [1e-3, 1.2e-5])  # room for all swapped blocks; for one block (recompute)
-def test_swap_preemption_keeps_outputs(tiny_model_dir, expected, swap_space):
+def test_swap_preemption_keeps_outputs(tiny_model_dir, expected, swap_space, mode):
     """Preempted requests' blocks go to host memory and come back; where host space is short, recompute."""
     llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64, preemption_mode="swap",
-                   swap_space=swap_space)
+                   swap_space=swap_space, **mode)
     sched, kv = llm.engine.scheduler, llm.engine.kv_cache_manager
     assert sched.num_preemptions > 0
     if swap_space > 1e-4:
@@ -65,14 +72,14 @@ def test_swap_preemption_keeps_outputs(tiny_model_dir, expected, swap_space):
     assert kv.num_free_blocks == 12 and len(kv.host_free) == kv.num_host_blocks  # both pools whole again
 
 
-def test_max_num_seqs_limits_the_batch(tiny_model_dir, expected):
-    llm, got = run(tiny_model_dir("llama"), max_num_seqs=2, num_kv_blocks=64)
+def test_max_num_seqs_limits_the_batch(tiny_model_dir, expected, mode):
+    llm, got = run(tiny_model_dir("llama"), max_num_seqs=2, num_kv_blocks=64, **mode)
     assert got == expected
 
 
-def test_requests_arriving_while_others_decode(tiny_model_dir, expected):
+def test_requests_arriving_while_others_decode(tiny_model_dir, expected, mode):
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=64,
-                                                   compile_guard=True, max_num_batched_tokens=64))
+                                                   compile_guard=True, max_num_batched_tokens=64, **mode))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     pending = list(enumerate(prompts()))
     results = {}
@@ -89,7 +96,7 @@ def test_requests_arriving_while_others_decode(tiny_model_dir, expected):
 
 
 def test_seeded_sampling_is_independent_of_batch(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=128)
     seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([prompts()[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True)
@@ -101,7 +108,7 @@ def test_seeded_sampling_is_independent_of_batch(tiny_model_dir):
 
 
 def test_stop_conditions(tiny_model_dir, expected):
-    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=128)
     p, ref = prompts()[0], expected[0]
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref[:5] and out.outputs[0].finish_reason == "length"
@@ -122,7 +129,7 @@ def test_eos_comes_from_the_generation_config(tiny_model_dir, tmp_path):
     path = shutil.copytree(tiny_model_dir("llama"), tmp_path / "model")
     with open(path / "generation_config.json", "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": [7, 9]}, f)
-    llm = LLM(str(path), num_kv_blocks=64)
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=32)
     assert llm.engine.config.model_config.eos_token_ids == (7, 9)
     out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=8, logit_bias={9: 100.0}),
                        use_tqdm=False)[0].outputs[0]
@@ -130,7 +137,7 @@ def test_eos_comes_from_the_generation_config(tiny_model_dir, tmp_path):
 
 
 def test_bad_input_raises_named_errors(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, max_model_len=128)
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[]], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
@@ -149,7 +156,7 @@ def test_bad_input_raises_named_errors(tiny_model_dir):
 def test_compile_guard_fails_a_step_that_compiles(tiny_model_dir):
     import jax
 
-    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True)
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=64, compile_guard=True, max_num_batched_tokens=128)
     with pytest.raises(RuntimeError, match="compiled"):
         with llm.engine.runner.guard.watch():
             jax.jit(lambda x: x * 3)(np.ones(7))

@@ -42,8 +42,12 @@ def chat_ids(llm, question):
                                                    add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
-def test_greedy_tokens_match_hf(smollm2, hf_smollm2):
-    _, llm = smollm2
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_greedy_tokens_match_hf(smollm2, hf_smollm2, async_scheduling):
+    path, llm = smollm2
+    if not async_scheduling:  # (the fixture's engine is async, the default)
+        llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=128, max_model_len=512, compile_guard=True,
+                  async_scheduling=False)
     prompts = [list(chat_ids(llm, q)) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     eos = llm.engine.config.model_config.eos_token_ids

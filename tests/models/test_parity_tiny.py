@@ -30,11 +30,12 @@ def test_last_position_logits_match_hf(arch, tiny_model_dir):
     assert worst < 1e-4
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir):
+def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir, async_scheduling):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
-    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True)
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(prompts(), params, use_tqdm=False)
     for ids, out in zip(prompts(), outs):

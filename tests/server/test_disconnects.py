@@ -13,14 +13,14 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from tests.server.conftest import API_KEY, LiveServer
 
-MAX_TOKENS = 480  # ~2-5 s of decoding for 8 requests: far more than the test waits, so only an abort ends them
+MAX_TOKENS = 8000  # many seconds of decoding for 8 requests: far more than the test waits; only an abort ends them
 NUM_CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=512, max_model_len=512,
-                                                  max_num_batched_tokens=128, compile_guard=True))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-long"), num_kv_blocks=8 * 510,
+                                                  max_model_len=8192, max_num_batched_tokens=128, compile_guard=True))
     live = LiveServer(engine, API_KEY)
     yield live
     live.stop()
