@@ -137,7 +137,7 @@ def eos_token_ids(meta: dict[str, Any]) -> list[int]:
 
 def build_tokenizer(meta: dict[str, Any]):
     """The `PreTrainedTokenizerFast` that a GGUF's `tokenizer.*` metadata describes."""
-    from tokenizers import AddedToken, Tokenizer, processors
+    from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")

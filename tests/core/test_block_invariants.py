@@ -104,6 +104,8 @@ class Runner:
                 assert rid in self.tables, f"{rid} sent changes before its whole table"
                 self.tables[rid] += x.new_block_ids
             assert self.tables[rid] == self.s.kv.block_ids(rid), "the runner's table drifted from the scheduler's"
+        running = {r.request_id for r in self.s.running}
+        assert set(self.tables) <= running, "the runner keeps a row of a request that ended or was preempted"
         check_step(self.s, out)
         self.in_flight.append(out)
         while len(self.in_flight) > self.lag or (self.in_flight and out.is_empty):

@@ -155,3 +155,103 @@ def test_abort_frees_blocks_everywhere():
     s.abort_requests(["r1", "r2", "unknown"])
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 63
+
+
+def test_every_running_request_is_scheduled_each_step():
+    s = make(max_num_batched_tokens=64)
+    for i in range(5):
+        s.add_request(req(f"r{i}", 3 + i, max_tokens=10))
+    step(s)
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [
+        (f"r{i}", 1, True) for i in range(5)]
+
+
+def test_a_request_with_nothing_to_compute_does_not_block_the_others():
+    s = make(max_num_batched_tokens=64)
+    held = Request("h", [3, 4, 5], SamplingParams(max_tokens=5), seed=0, hold_output=True)
+    s.add_request(held)
+    s.add_request(req("r1", 4))
+    step(s)  # both computed; the held request now waits for its owner's token
+    out = step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["r1"]
+
+
+def test_async_schedules_the_token_in_flight_before_its_value_is_known():
+    """Step N+1 is scheduled before step N's results: a decoding request computes the placeholder of the token
+    it draws in step N (fed on the device), and one whose token in flight may be its last waits for it."""
+    s = make(max_num_batched_tokens=64)
+    r = req("r1", 5, max_tokens=3, ignore_eos=True)
+    s.add_request(r)
+    first = s.schedule()  # the prompt: draws output 1
+    assert r.num_output_placeholders == 1 and r.num_computed_tokens == 5
+    second = s.schedule()  # before output 1 is known: its position is computed, output 2 drawn
+    assert [(x.start, x.num_new_tokens, x.samples) for x in second.scheduled] == [(5, 1, True)]
+    assert r.num_output_placeholders == 2 and r.num_computed_tokens == 6
+    s.update_from_output(first, [11])
+    assert r.output_token_ids == [11] and r.num_output_placeholders == 1
+    third = s.schedule()  # output 3 would be the last (max_tokens 3): drawn, then nothing more is scheduled
+    assert [(x.start, x.samples) for x in third.scheduled] == [(6, True)]
+    s.update_from_output(second, [12])
+    assert s.schedule().is_empty  # output 3 is in flight and is the last
+    s.update_from_output(third, [13])
+    assert r.output_token_ids == [11, 12, 13] and r.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.num_free_blocks == 63 and s.schedule().finished_ids == ["r1"]
+
+
+def test_results_for_a_request_that_ended_meanwhile_are_dropped():
+    s = make()
+    r = req("r1", 4, max_tokens=10)
+    s.add_request(r)
+    first = s.schedule()
+    s.abort_requests(["r1"])
+    assert s.update_from_output(first, [5]) == [] and r.output_token_ids == []
+
+
+def test_the_parent_copies_a_shared_block_before_writing_it():
+    """n > 1: the siblings fork from the first sample when its prompt is in, sharing the partial last block; the
+    first sample's next token goes to a copy (copy-on-write), and the runner gets its whole new table."""
+    s = make(block_size=4)
+    first = Request("r1#0", list(range(3, 9)), SamplingParams(max_tokens=4), seed=0)
+    first.pending_forks = [Request("r1#1", list(range(3, 9)), SamplingParams(max_tokens=4), seed=1)]
+    s.add_request(first)
+    step(s)  # the prompt (blocks b0, b1 with 2 of 4 slots used); the sibling forks at 5 tokens, sharing both
+    shared = s.kv.block_ids("r1#0")
+    assert s.kv.block_ids("r1#1") == shared and s.kv.pool.blocks[shared[1]].ref_cnt == 2
+    out = s.schedule()
+    by_id = {x.request.request_id: x for x in out.scheduled}
+    copy = [c for c in out.block_copies if c.src == shared[1]]
+    assert len(copy) == 1 and s.kv.block_ids("r1#0") == [shared[0], copy[0].dst]
+    assert by_id["r1#0"].block_ids == [shared[0], copy[0].dst]  # the whole table, since a block changed
+
+
+def test_fork_copies_come_first_in_their_own_list():
+    s = make(block_size=4)
+    parent = req("r9", 6)
+    s.add_request(parent)
+    step(s)
+    child = Request("c", parent.prompt_token_ids, parent.sampling_params, seed=0,
+                    output_token_ids=list(parent.output_token_ids))
+    s.fork(parent, child, 6, share=False)
+    out = s.schedule()
+    assert [c.src for c in out.fork_copies] == s.kv.block_ids("r9")[:2] and not out.block_copies
+
+
+def test_with_a_step_in_flight_idle_beams_are_not_preempted():
+    """The deadlock breaker (idle held requests yield their blocks to waiting ones) waits while a step is in
+    flight: its results may let the beams' owner go on (it thrashed under async scheduling)."""
+    s = make(num_blocks=4, block_size=2, max_num_batched_tokens=16)  # 3 usable blocks
+    a = Request("a", [3, 4], SamplingParams(max_tokens=4), seed=0, hold_output=True)
+    b = Request("b", [5, 6], SamplingParams(max_tokens=4), seed=0, hold_output=True)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()  # both computed, both draw (in flight)
+    s.update_from_output(first, [7, 7])
+    a.output_token_ids.append(7)  # the owner fed a, not yet b
+    in_flight = s.schedule()  # a computes its new token: a step in flight, with b idle
+    s.add_request(req("r5", 3))  # needs 2 blocks; 0 free
+    out = s.schedule()
+    assert out.is_empty and not out.preempted_ids and b.status == RequestStatus.RUNNING
+    s.update_from_output(in_flight, [8])
+    out = s.schedule()  # nothing in flight now: the newest idle beam yields its blocks
+    assert out.preempted_ids and "r5" in [x.request.request_id for x in out.scheduled]
