@@ -63,8 +63,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()
-            await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None} for j in range(n)]))
+            for j in range(n):
+                await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]))
         async for _, out in outputs:
             choices = []
             for o in out.outputs:
@@ -78,8 +79,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     lp = chat_logprobs(o.logprobs, o.token_ids, k)
                 choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-            if sse and choices:
-                await sse.send(chunk(choices))
+            if sse:
+                for choice in choices:  # one choice per chunk, as vLLM and OpenAI send them
+                    await sse.send(chunk([choice]))
     usage = Usage(len(prompt), completion_tokens)
     if sse:
         if include_usage:

@@ -86,8 +86,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 finish[c], stop_reasons[c] = o.finish_reason, o.stop_reason
                 choices.append({"index": c, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason})
-            if sse and choices:
-                await sse.send(chunk(choices))
+            if sse:
+                for choice in choices:  # one choice per chunk, as vLLM and OpenAI send them
+                    await sse.send(chunk([choice]))
     usage = Usage(sum(len(p) for p in prompts), completion_tokens)
     if sse:
         if include_usage:

@@ -77,6 +77,7 @@ def test_each_choice_streams_once_and_equals_the_non_streamed_one(live_server, e
     assert last == "data: [DONE]"
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and all("usage" not in c or c["usage"] is None for c in chunks[:-1])
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1]), "one choice per chunk, as vLLM and OpenAI"
     per = collect(chunks[:-1], endpoint)
     assert sorted(per) == list(range(n))
     for i in range(n):
