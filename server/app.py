@@ -67,18 +67,43 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a `prompt`, or chat `messages` through the chat template."""
     state: ServerState = request.app[STATE]
     body = await state.read_json(request)
     tok = state.engine.tokenizer
     if "messages" in body:
         from server.chat import parse_messages
 
-        ids = list(tok.apply_chat_template(parse_messages(body), add_generation_prompt=bool(
-            body.get("add_generation_prompt", True)), tokenize=True, return_dict=True)["input_ids"])
+        try:
+            ids = list(tok.apply_chat_template(
+                parse_messages(body), tokenize=True, return_dict=True,
+                add_generation_prompt=get_field(body, "add_generation_prompt", (bool,), True),
+                continue_final_message=get_field(body, "continue_final_message", (bool,), False))["input_ids"])
+        except APIError:
+            raise
+        except Exception as e:  # a template that rejects this conversation
+            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        if get_field(body, "add_special_tokens", (bool,), False):
+            ids = tok.build_inputs_with_special_tokens(ids)
     else:
         ids = tok.encode(get_field(body, "prompt", (str,)),
                          add_special_tokens=get_field(body, "add_special_tokens", (bool,), True))
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+    out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if get_field(body, "return_token_strs", (bool,), False):
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return web.json_response(out)
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-harness's
+    remote tokenizer reads it)."""
+    state: ServerState = request.app[STATE]
+    tok = state.engine.tokenizer
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    return web.json_response({
+        "tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+        "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": template,
+        "model_max_length": state.max_model_len, "vocab_size": len(tok)})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -103,4 +128,5 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     return app

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from server.protocol import (
+    APIError,
+    Usage,
+    chat_logprobs,
+    get_field,
+    new_id,
+    now,
+    sampling_params_from,
+)
 from server.state import STATE
-from server.protocol import APIError, Usage, chat_logprobs, get_field, new_id, now, sampling_params_from
 from server.streaming import SSEWriter, generate_all
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
@@ -51,6 +59,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     stream = get_field(body, "stream", (bool,), False)
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
     n, k = params.n, params.logprobs or 0
+    as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
     texts, finish, stop_reasons = [""] * n, [None] * n, [None] * n
     logprobs: list[list] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -76,7 +85,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 lp = None
                 if o.logprobs is not None:
                     logprobs[o.index] += o.logprobs
-                    lp = chat_logprobs(o.logprobs, o.token_ids, k)
+                    lp = chat_logprobs(o.logprobs, o.token_ids, k, as_ids=as_ids)
                 choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
             if sse:
@@ -88,6 +97,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
     choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]},
-                "logprobs": chat_logprobs(logprobs[j], tokens[j], k) if params.logprobs is not None else None,
+                "logprobs": chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids) if params.logprobs is not None else None,
                 "finish_reason": finish[j], "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aiohttp import web
 
-from server.state import STATE
 from server.protocol import (
     APIError,
     Usage,
@@ -15,11 +16,18 @@ from server.protocol import (
     prompt_logprobs_json,
     sampling_params_from,
 )
+from server.state import STATE
 from server.streaming import SSEWriter, generate_all
 
 
-def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # as the client sent it; None for token ids
+
+
+def parse_prompts(body: dict, tokenizer) -> list[Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> prompts."""
     prompt = get_field(body, "prompt", (str, list))
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -34,22 +42,45 @@ def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise APIError("'prompt' must not be empty", param="prompt")
-            out.append(tokenizer.encode(p, add_special_tokens=True))
+            out.append(Prompt(tokenizer.encode(p, add_special_tokens=True), p))
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            out.append(list(p))
+            out.append(Prompt(list(p), None))
         else:
             raise APIError("'prompt' must be a string, a list of strings, or token ids", param="prompt")
     return out
+
+
+def echo_request(body: dict) -> tuple[dict, bool]:
+    """`echo` as vLLM reads it: the body the sampling parameters come from, and whether nothing is generated.
+
+    `max_tokens: 0` scores the prompt without generating (one token is drawn and dropped); with `logprobs: k`
+    the prompt's tokens get k alternatives too."""
+    echo = get_field(body, "echo", (bool,), False)
+    if not echo:
+        return body, False
+    body = dict(body)
+    only_prompt = body.get("max_tokens") == 0
+    if only_prompt:
+        body["max_tokens"] = 1
+    k = get_field(body, "logprobs", (int,), None)
+    if k is not None:
+        body["prompt_logprobs"] = max(k, get_field(body, "prompt_logprobs", (int,), None) or 0)
+    return body, only_prompt
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
     state.check_model(body)
-    params = sampling_params_from(body, default_max_tokens=16)
-    prompts = parse_prompts(body, state.engine.tokenizer)
+    echo = get_field(body, "echo", (bool,), False)
+    wants_prompt_logprobs = body.get("prompt_logprobs") is not None
+    engine_body, only_prompt = echo_request(body)
+    params = sampling_params_from(engine_body, default_max_tokens=16)
+    as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
+    tok = state.engine.tokenizer
+    prompts = parse_prompts(body, tok)
     for p in prompts:
-        state.check_length(len(p), params.max_tokens, where="prompt")
+        state.check_length(len(p.token_ids), params.max_tokens, where="prompt")
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
@@ -59,41 +90,61 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     finish: list = [None] * len(texts)
     stop_reasons: list = [None] * len(texts)
     logprobs: list = [None if params.logprobs is None else completion_logprobs([], []) for _ in texts]
-    prompt_lps: list = [None] * len(prompts)
+    prompt_lps: list = [None] * len(prompts)  # the engine's entries, per prompt
+    started = [False] * len(texts)
     completion_tokens = 0
 
     def chunk(choices):
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices}
 
-    async with generate_all(state.engine, prompts, params, rid) as outputs:
+    def echoed(i: int) -> tuple[str, dict | None]:
+        """Prompt i's text and, with logprobs, its logprobs object (the first token's logprob is null)."""
+        p = prompts[i]
+        text = p.text if p.text is not None else tok.decode(p.token_ids)
+        if params.logprobs is None:
+            return text, None
+        entries = prompt_lps[i] or [None] * len(p.token_ids)
+        return text, completion_logprobs(entries, p.token_ids, as_ids=as_ids,
+                                         first_text=tok.decode(p.token_ids[:1]))
+
+    async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()
         async for i, out in outputs:
             if out.prompt_logprobs is not None:
-                prompt_lps[i] = prompt_logprobs_json(out.prompt_logprobs)
-            choices = []
+                prompt_lps[i] = out.prompt_logprobs
             for o in out.outputs:
                 c = i * n + o.index
-                completion_tokens += len(o.token_ids)
-                lp = None
+                text, token_ids, lp = o.text, o.token_ids, None
+                if only_prompt:
+                    text, token_ids = "", []
+                prefix, prefix_lp = "", None
+                if echo and not started[c]:
+                    prefix, prefix_lp = echoed(i)
+                    texts[c] = prefix
+                started[c] = True
+                completion_tokens += len(token_ids)
                 if o.logprobs is not None:
-                    lp = completion_logprobs(o.logprobs, o.token_ids, text_offset=len(texts[c]))
+                    lp = completion_logprobs(o.logprobs[: len(token_ids)], token_ids, text_offset=len(texts[c]),
+                                             as_ids=as_ids)
+                    if prefix_lp is not None:
+                        lp = {key: prefix_lp[key] + lp[key] for key in lp}
                     for key in lp:
                         logprobs[c][key] += lp[key]
-                texts[c] += o.text
+                texts[c] += text
                 finish[c], stop_reasons[c] = o.finish_reason, o.stop_reason
-                choices.append({"index": c, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
-                                "stop_reason": o.stop_reason})
-            if sse:
-                for choice in choices:  # one choice per chunk, as vLLM and OpenAI send them
-                    await sse.send(chunk([choice]))
-    usage = Usage(sum(len(p) for p in prompts), completion_tokens)
+                if sse:
+                    await sse.send(chunk([{"index": c, "text": prefix + text, "logprobs": lp,
+                                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]))
+    usage = Usage(sum(len(p.token_ids) for p in prompts), completion_tokens)
     if sse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
     choices = [{"index": c, "text": texts[c], "finish_reason": finish[c], "stop_reason": stop_reasons[c],
-                "logprobs": logprobs[c], "prompt_logprobs": prompt_lps[c // n]} for c in range(len(texts))]
+                "logprobs": logprobs[c],
+                "prompt_logprobs": prompt_logprobs_json(prompt_lps[c // n]) if wants_prompt_logprobs else None}
+               for c in range(len(texts))]
     return web.json_response({**chunk(choices), "usage": usage.to_dict()})

@@ -54,7 +54,6 @@ def requested_logprobs(body: dict, *, chat: bool) -> int | None:
 
 # Fields that would change what the user gets, which jaxpaged does not implement yet: rejected, never ignored.
 _UNSUPPORTED = {
-    "echo": "'echo' is not supported",
     "suffix": "'suffix' is not supported",
     "tools": "tool calling ('tools') is not supported",
     "functions": "function calling ('functions') is not supported",
@@ -67,9 +66,11 @@ _UNSUPPORTED = {
 }
 
 
-def reject_unsupported(body: dict) -> None:
+def reject_unsupported(body: dict, *, chat: bool = False) -> None:
     """A 400 naming the first field that asks for something jaxpaged cannot do (an absent, null, false or
     empty field asks for nothing; tool_choice 'none' and response_format 'text' are the defaults)."""
+    if chat and body.get("echo"):
+        raise APIError("'echo' is not supported on chat completions", param="echo")
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], {}, ""):
             raise APIError(message, param=name)
@@ -86,7 +87,7 @@ def reject_unsupported(body: dict) -> None:
 
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    reject_unsupported(body)
+    reject_unsupported(body, chat=chat)
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", (int,), default_max_tokens)
@@ -137,15 +138,29 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def completion_logprobs(logprobs, token_ids: list[int], text_offset: int = 0) -> dict:
+def token_name(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """How a token is named in logprobs: its text, or `token_id:N` (vLLM's `return_tokens_as_token_ids`,
+    for tokens whose text is not valid UTF-8 on its own)."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
+
+
+def completion_logprobs(logprobs, token_ids: list[int], text_offset: int = 0, *, as_ids: bool = False,
+                        first_text: str | None = None) -> dict:
     """The legacy completions `logprobs` object for these tokens (decoded strings, as vLLM); `text_offset`
-    is where the first token's text starts in the choice's text."""
+    is where the first token's text starts in the choice's text. An entry of None (an echoed prompt's first
+    token, which has no logprob) gets nulls, and `first_text` as its text."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for t, entry in zip(token_ids, logprobs):
-        text = entry[t].decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(_finite(entry[t].logprob))
-        top.append({x.decoded_token: _finite(x.logprob) for x in entry.values()})
+        if entry is None:
+            text = first_text or ""
+            tokens.append(token_name(t, text, as_ids))
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            text = entry[t].decoded_token or ""
+            tokens.append(token_name(t, text, as_ids))
+            token_logprobs.append(_finite(entry[t].logprob))
+            top.append({token_name(i, x.decoded_token, as_ids): _finite(x.logprob) for i, x in entry.items()})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -160,19 +175,20 @@ def prompt_logprobs_json(entries) -> list | None:
                                     for t, x in e.items()} for e in entries]
 
 
-def chat_logprobs(logprobs, token_ids: list[int], k: int) -> dict | None:
+def chat_logprobs(logprobs, token_ids: list[int], k: int, *, as_ids: bool = False) -> dict | None:
     """The chat `logprobs` object for one delta: `content` entries with `top_logprobs`."""
     if logprobs is None:
         return None
 
-    def item(lp):
-        tok = lp.decoded_token or ""
-        return {"token": tok, "logprob": _finite(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
+    def item(token_id, lp):
+        text = lp.decoded_token or ""
+        return {"token": token_name(token_id, text, as_ids), "logprob": _finite(lp.logprob),
+                "bytes": list(text.encode("utf-8", "replace"))}
 
     content = []
     for t, e in zip(token_ids, logprobs):
-        top = sorted((x for x in e.values() if x.rank is not None and x.rank <= k), key=lambda x: x.rank)
-        content.append({**item(e[t]), "top_logprobs": [item(x) for x in top[:k]]})
+        top = sorted(((i, x) for i, x in e.items() if x.rank is not None and x.rank <= k), key=lambda ix: ix[1].rank)
+        content.append({**item(t, e[t]), "top_logprobs": [item(i, x) for i, x in top[:k]]})
     return {"content": content}
 
 

@@ -96,7 +96,7 @@ def test_bad_sampling_values_name_their_field(body, param):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
     ({"guided_json": {}}, None), ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"structured_outputs": {"json": {}}}, "structured_outputs"), ({"guided_regex": "a+"}, "guided_regex"),
@@ -120,6 +120,13 @@ def test_unsupported_fields_are_rejected_by_name(body, param):
 ])
 def test_defaults_of_unsupported_fields_are_accepted(body):
     reject_unsupported(body)
+
+
+def test_echo_only_on_completions():
+    reject_unsupported({"echo": True})
+    e = error_of(reject_unsupported, {"echo": True}, chat=True)
+    assert e.param == "echo" and "chat" in e.message
+    reject_unsupported({"echo": False}, chat=True)
 
 
 def test_usage():
