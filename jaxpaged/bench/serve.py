@@ -5,8 +5,10 @@
 
 Workloads: the seeded random-token one of `bench throughput` (sent as token ids), or --dataset FILE
 (one prompt per line, or JSONL with a "prompt" field). Arrivals are Poisson at --request-rate
-(inf: all at once), optionally capped by --max-concurrency. Prints the table `vllm bench serve`
-prints and writes JSON.
+(inf: all at once; a comma list sweeps the rates and prints one table), optionally capped by
+--max-concurrency. Prints the table `vllm bench serve` prints (percentiles from --metric-percentiles)
+and goodput under --goodput SLOs, and writes JSON. Works against any OpenAI-compatible server, so the
+same client measures jaxpaged and its peers.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
 async def send_one(session, url: str, model: str, prompt, max_tokens: int, api_key: str | None,
@@ -84,7 +90,7 @@ def load_prompts(ns) -> list[tuple[object, int]]:
     return [(r.prompt_token_ids, r.output_len) for r in reqs]
 
 
-async def run(ns) -> dict:
+async def run(ns, request_rate: float) -> dict:
     import aiohttp
 
     work = load_prompts(ns)
@@ -101,31 +107,61 @@ async def run(ns) -> dict:
         start = time.perf_counter()
         for p, n in work:
             tasks.append(asyncio.create_task(limited(p, n)))
-            if ns.request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / ns.request_rate))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, ns)
+    return summarize(results, duration, ns, request_rate)
 
 
-def _stats(name: str, xs: list[float]) -> dict:
+def parse_percentiles(text: str) -> list[float]:
+    return [float(p) for p in text.split(",")]
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """`ttft:500 itl:100` -> {"ttft": 0.5, "itl": 0.1} (seconds). Keys: ttft, tpot, itl (every inter-token gap
+    of the request), e2el."""
+    slos = {}
+    for item in items or []:
+        key, _, ms = item.partition(":")
+        if key not in ("ttft", "tpot", "itl", "e2el") or not ms:
+            raise SystemExit(f"--goodput: {item!r} is not KEY:MS with KEY in ttft, tpot, itl, e2el")
+        slos[key] = float(ms) / 1000
+    return slos
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a request met every SLO."""
+    checks = {"ttft": lambda: r.ttft, "tpot": lambda: r.tpot or 0.0, "itl": lambda: max(r.itl, default=0.0),
+              "e2el": lambda: r.latency}
+    return all(checks[k]() <= v for k, v in slos.items())
+
+
+def _stats(name: str, xs: list[float], percentiles: list[float]) -> dict:
     a = np.asarray(xs or [0.0]) * 1000
-    return {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)),
-            f"p99_{name}_ms": float(np.percentile(a, 99))}
+    out = {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a))}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(a, p))
+    return out
 
 
-def summarize(results: list[RequestResult], duration: float, ns) -> dict:
+def summarize(results: list[RequestResult], duration: float, ns, request_rate: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    pct = parse_percentiles(ns.metric_percentiles)
+    slos = parse_goodput(ns.goodput)
     summary = {
         "successful_requests": len(ok), "failed_requests": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": sum(r.prompt_len for r in ok), "total_generated_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
-        **_stats("ttft", [r.ttft for r in ok]), **_stats("tpot", tpot),
-        **_stats("itl", [x for r in ok for x in r.itl]), **_stats("e2el", [r.latency for r in ok]),
-        "request_rate": ns.request_rate, "max_concurrency": ns.max_concurrency, "num_prompts": ns.num_prompts,
+        **_stats("ttft", [r.ttft for r in ok], pct), **_stats("tpot", tpot, pct),
+        **_stats("itl", [x for r in ok for x in r.itl], pct), **_stats("e2el", [r.latency for r in ok], pct),
+        "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
+        "request_goodput": (sum(meets(r, slos) for r in ok) / duration) if slos else None,
+        "percent_meeting_slos": (100 * sum(meets(r, slos) for r in ok) / max(len(results), 1)) if slos else None,
+        "request_rate": request_rate, "max_concurrency": ns.max_concurrency, "num_prompts": ns.num_prompts,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
     return summary
@@ -139,10 +175,16 @@ def print_table(s: dict) -> None:
             ("Request throughput (req/s)", s["request_throughput"], "{:.2f}"),
             ("Output token throughput (tok/s)", s["output_token_throughput"], "{:.2f}"),
             ("Total token throughput (tok/s)", s["total_token_throughput"], "{:.2f}")]
+    if s["request_goodput"] is not None:
+        slos = " ".join(f"{k}<={v:g}ms" for k, v in s["goodput_slos_ms"].items())
+        rows += [(f"Request goodput (req/s) [{slos}]", s["request_goodput"], "{:.2f}"),
+                 ("Requests meeting the SLOs (%)", s["percent_meeting_slos"], "{:.1f}")]
+    pcts = [k.split("_")[0] for k in s if k.startswith("p") and k.endswith("_ttft_ms")]
+    stats = ["mean"] + ([] if "p50" in pcts else ["median"]) + pcts
     for title, key in (("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"),
                        ("Inter-token Latency", "itl"), ("End-to-end Latency", "e2el")):
         rows.append((f"---{title}---", None, ""))
-        for stat in ("mean", "median", "p99"):
+        for stat in stats:
             rows.append((f"{stat.capitalize()} {key.upper()} (ms)", s[f"{stat}_{key}_ms"], "{:.2f}"))
     print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
     for title, value, fmt in rows:
@@ -162,11 +204,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="16:512")
     p.add_argument("--output-len", default="16:256")
     p.add_argument("--vocab-size", type=int, default=49152, help="token id range of the random workload")
-    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--request-rate", default="inf",
+                   help="requests per second, Poisson arrivals (inf: all at once); a comma list sweeps the rates, "
+                        "e.g. 0.5,1,1.5,2,3,inf")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--no-ignore-eos", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles reported for each latency")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs a request must meet to count toward goodput: ttft, tpot, itl (every gap), e2el in ms")
+    p.add_argument("--label", default=None, help="the server's name in the JSON and the sweep table")
     p.add_argument("--output-json", default="bench_results/serve.json")
 
 
@@ -178,15 +226,38 @@ def main(ns: argparse.Namespace) -> dict:
                                      headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {})
         with urllib.request.urlopen(req) as r:
             ns.model = json.load(r)["data"][0]["id"]
-    summary = asyncio.run(run(ns))
-    print_table(summary)
+    rates = [float(r) for r in str(ns.request_rate).split(",")]
+    parse_goodput(ns.goodput)  # (bad SLOs fail before any request is sent)
+    runs = []
+    for rate in rates:
+        summary = asyncio.run(run(ns, rate))
+        summary["label"] = ns.label
+        print_table(summary)
+        runs.append(summary)
+    if len(runs) > 1:
+        print_sweep(runs)
     if ns.output_json:
         os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
         with open(ns.output_json, "w") as f:
-            json.dump({**summary, "args": {k: v for k, v in vars(ns).items() if k != "func"}}, f, indent=2,
+            args = {k: v for k, v in vars(ns).items() if k != "func"}
+            json.dump({**runs[0], "args": args} if len(runs) == 1 else {"runs": runs, "args": args}, f, indent=2,
                       default=str)
         print(f"wrote {ns.output_json}")
-    return summary
+    return runs[0] if len(runs) == 1 else {"runs": runs}
+
+
+def print_sweep(runs: list[dict]) -> None:
+    """One line per request rate: where the server saturates."""
+    pcts = [k.split("_")[0] for k in runs[0] if k.startswith("p") and k.endswith("_ttft_ms")]
+    lo, hi = ("median", pcts[-1]) if pcts else ("median", "mean")
+    head = (f"{'rate':>6} {'done':>5} {'wall s':>7} {'out tok/s':>9} {'TTFT ' + lo + '/' + hi + ' ms':>22} "
+            f"{'ITL ' + lo + '/' + hi + ' ms':>22} {'goodput':>8}")
+    print(head)
+    for s in runs:
+        good = "-" if s["request_goodput"] is None else f"{s['request_goodput']:.2f}"
+        print(f"{s['request_rate']:>6g} {s['successful_requests']:>5} {s['duration_s']:>7.1f} "
+              f"{s['output_token_throughput']:>9.1f} {s[lo + '_ttft_ms']:>10.0f} /{s[hi + '_ttft_ms']:>10.0f} "
+              f"{s[lo + '_itl_ms']:>10.0f} /{s[hi + '_itl_ms']:>10.0f} {good:>8}")
 
 
 if __name__ == "__main__":
