@@ -69,6 +69,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Prompt tokens a step may carry beside running decodes (0: no cap, the whole budget), so streams keep a
+    # short inter-token latency while prompts arrive; the step is then filled up to its token bucket.
+    max_prefill_tokens_with_decodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,9 @@ class EngineArgs:
     preemption_mode: str = _flag("recompute", "swap: preempted requests' blocks go to host memory "
                                               "(--swap-space GiB) and come back", PREEMPTION_MODES)
     swap_space: float = _flag(4.0, "GiB of host memory for swapped blocks (with --preemption-mode swap)")
+    max_prefill_tokens_with_decodes: int | None = _flag(
+        None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
+              "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 256 on CPU")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -184,6 +190,9 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_prefill_tokens_with_decodes
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"max_prefill_tokens_with_decodes must be a non-negative integer, got {v!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -220,6 +229,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
+            max_prefill_tokens_with_decodes=(self.max_prefill_tokens_with_decodes
+                                             if self.max_prefill_tokens_with_decodes is not None
+                                             else 0 if gpu else 256),
         )
 
     @classmethod

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager
 from jaxpaged.request import Request, RequestStatus
+from jaxpaged.runner.buckets import pick_token_bucket, token_buckets
 
 
 @dataclass(slots=True)
@@ -147,6 +148,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self._finished_ids: list[str] = []
+        self._buckets = token_buckets(config.max_num_batched_tokens)  # the runner's padded step sizes
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -200,6 +202,7 @@ class Scheduler:
         max_len = self.config.max_model_len
         add_req, add_n, add_start, add_samples = (out.requests.append, out.num_new_tokens.append, out.starts.append,
                                                   out.samples.append)
+        prefill_left = self._prefill_budget(budget)  # prompt tokens this step may carry
         i = 0
         while i < len(running) and budget > 0:  # (the hot loop: one pass over every running request)
             req = running[i]
@@ -214,10 +217,13 @@ class Scheduler:
                 if end >= max_len or (max_tokens is not None and len(req.output_token_ids) + placeholders >= max_tokens):
                     end = computed
             n = end - computed
+            prefill = n > 1
+            if prefill and n > prefill_left:
+                n = prefill_left
             if n > budget:
                 n = budget
-            if n <= 0:  # a held request waiting for its owner's token, or one at its limit with a token in flight
-                i += 1
+            if n <= 0:  # a held request waiting for its owner's token, one at its limit with a token in flight,
+                i += 1  # or a prompt with no prefill budget left
                 continue
             # In place (the common case, a decode): the tokens fall in one block the request holds alone and fill
             # no block to cache, so `allocate_slots` would do nothing (checked here: it runs for every request).
@@ -247,10 +253,12 @@ class Scheduler:
             if samples:
                 req.num_output_placeholders = placeholders + 1
             budget -= n
+            if prefill:
+                prefill_left -= n
             i += 1
 
         if not out.preempted_ids:  # no admissions in a step that had to preempt
-            self._admit(out, budget)
+            self._admit(out, min(budget, prefill_left))
             in_flight = any(r.num_output_placeholders for r in self.running) if not out.requests else True
             for _ in range(0 if in_flight else len(self.running)):  # (bounded: each preempts another request)
                 if out.requests or not len(self.waiting):
@@ -293,6 +301,22 @@ class Scheduler:
         req.num_computed_tokens = end
         if samples:
             req.num_output_placeholders += 1
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens the step may carry: with requests decoding and `max_prefill_tokens_with_decodes` set,
+        that many, plus what still fits in the padded step (the token bucket the decodes and the cap need)."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if not cap or not self.running:
+            return budget
+        decodes = 0
+        for r in self.running:
+            if (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+                    - r.num_computed_tokens) == 1:
+                decodes += 1
+        if not decodes:
+            return budget
+        decodes = min(decodes, budget)
+        return pick_token_bucket(self._buckets, min(decodes + cap, budget)) - decodes
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first

@@ -117,13 +117,16 @@ class Runner:
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans(),
-       host_blocks=st.sampled_from([None, 0, 3, 40]), lag=st.sampled_from([0, 1]))
+       host_blocks=st.sampled_from([None, 0, 3, 40]), lag=st.sampled_from([0, 1]),
+       prefill_cap=st.sampled_from([0, 0, 1, 5]))
 def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching,
-                                          host_blocks, lag):
+                                          host_blocks, lag, prefill_cap):
     """host_blocks None: recompute preemption; else swap preemption with that many host blocks (0 and 3
-    force the fall back to recompute). lag 1: async scheduling, results one step late."""
+    force the fall back to recompute). lag 1: async scheduling, results one step late. prefill_cap: prompt
+    tokens a step may carry beside decodes."""
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=10_000, policy=policy,
-                             preemption_mode="recompute" if host_blocks is None else "swap")
+                             preemption_mode="recompute" if host_blocks is None else "swap",
+                             max_prefill_tokens_with_decodes=prefill_cap)
     s = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                          num_host_blocks=host_blocks or 0))
     capacity = (num_blocks - 1) * block_size

@@ -255,3 +255,43 @@ def test_with_a_step_in_flight_idle_beams_are_not_preempted():
     s.update_from_output(in_flight, [8])
     out = s.schedule()  # nothing in flight now: the newest idle beam yields its blocks
     assert out.preempted_ids and "r5" in [x.request.request_id for x in out.scheduled]
+
+
+def test_prompts_beside_decodes_get_the_prefill_cap_filled_to_the_bucket():
+    # budget 64 -> buckets [16, 32, 64]; 3 decodes + cap 8 = 11 -> bucket 16 -> 13 prompt tokens
+    s = make(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8, max_num_seqs=8, max_model_len=512)
+    for rid in ("r1", "r2", "r3"):
+        s.add_request(req(rid, 4, max_tokens=50))
+    assert [x.num_new_tokens for x in step(s).scheduled] == [4, 4, 4]  # no decodes yet: no cap
+    s.add_request(req("r4", 100, max_tokens=50))
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
+        ("r1", 1), ("r2", 1), ("r3", 1), ("r4", 13)]
+    # a prompt already running (chunked), ahead of the decodes in the running order, is capped the same way
+    s.running.insert(0, s.running.pop())
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [
+        ("r4", 13), ("r1", 1), ("r2", 1), ("r3", 1)]
+    # and a second prompt shares what is left of the cap
+    s.add_request(req("r5", 40, max_tokens=50))
+    out = step(s)
+    assert sum(x.num_new_tokens for x in out.scheduled if x.request.request_id in ("r4", "r5")) == 13
+
+
+def test_without_the_cap_a_prompt_takes_the_whole_budget_beside_decodes():
+    s = make(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
+    s.add_request(req("r1", 4, max_tokens=50))
+    step(s)
+    s.add_request(req("r2", 100, max_tokens=50))
+    assert [x.num_new_tokens for x in step(s).scheduled] == [1, 63]
+
+
+def test_a_capped_prompt_still_finishes_and_decodes():
+    s = make(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=1, max_num_seqs=8, max_model_len=512)
+    s.add_request(req("r1", 4, max_tokens=200))
+    step(s)
+    r2 = req("r2", 60, max_tokens=2, ignore_eos=True)
+    s.add_request(r2)
+    chunks = [next(x.num_new_tokens for x in step(s).scheduled if x.request is r2) for _ in range(5)]
+    assert chunks == [15, 15, 15, 15, 1]  # 1 decode + cap 1 -> bucket 16 -> 15 prompt tokens a step
+    assert r2.status == RequestStatus.FINISHED_LENGTH

@@ -77,9 +77,16 @@ def test_max_num_seqs_limits_the_batch(tiny_model_dir, expected, mode):
     assert got == expected
 
 
-def test_requests_arriving_while_others_decode(tiny_model_dir, expected, mode):
+@pytest.mark.parametrize("prefill_cap", [0, 4])
+def test_requests_arriving_while_others_decode(tiny_model_dir, expected, mode, prefill_cap):
+    """prefill_cap 4: beside decodes, prompts get 4 tokens plus what fills the 16-token bucket, so no step
+    outgrows 16 tokens; outputs are the same."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=64,
-                                                   compile_guard=True, max_num_batched_tokens=64, **mode))
+                                                   compile_guard=True, max_num_batched_tokens=64,
+                                                   max_prefill_tokens_with_decodes=prefill_cap, **mode))
+    sizes = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (out := schedule(), sizes.append(out.total_num_scheduled_tokens))[0]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     pending = list(enumerate(prompts()))
     results = {}
@@ -93,6 +100,7 @@ def test_requests_arriving_while_others_decode(tiny_model_dir, expected, mode):
                 results[int(out.request_id)] = out.outputs[0].token_ids
         step += 1
     assert [results[i] for i in range(len(expected))] == expected
+    assert (max(sizes) <= 16) == bool(prefill_cap)
 
 
 def test_seeded_sampling_is_independent_of_batch(tiny_model_dir):
