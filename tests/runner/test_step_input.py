@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxpaged.request import Request
 from jaxpaged.runner.input_batch import InputBatch
@@ -87,3 +88,39 @@ def test_drawn_tokens_land_only_in_rows_still_theirs():
     batch.record_tokens(np.array([0, 2]), np.array([8, 3]), np.array([99, 77]), gens)
     assert batch.token_ids[0, 8] == 99 and batch.num_known[0] == 9
     assert batch.token_ids[2, :4].tolist() == [50, 51, 52, 0] and batch.num_known[2] == 3
+
+
+def test_sampling_settings_per_sequence_and_neutral_padding():
+    """Each scheduled sequence carries its request's settings in step order; padding rows are neutral (no
+    penalty, no filter, nothing suppressed); every array has the dtype the compiled step was built for."""
+    import jax
+
+    batch = InputBatch(num_rows=4, max_model_len=32, table_width=8)
+    a = Request("a", [10, 11, 12], SamplingParams(temperature=0.7, top_p=0.8, min_p=0.1, presence_penalty=0.5,
+                                                  frequency_penalty=0.25, repetition_penalty=1.3, min_tokens=4,
+                                                  logit_bias={5: 1.0}), seed=3)
+    a.output_token_ids = [20]
+    b = Request("b", [30, 31], SamplingParams(), seed=4)
+    batch.add(a, [1]), batch.add(b, [2])
+    inp, plan = build_step_input(batch, np.array([0, 1]), np.array([1, 2]), np.array([3, 0]),
+                                 np.array([True, True]), 16, 4, GEO, np.zeros(4, bool))
+    s, p = inp.sampling, inp.sampling.processors
+    assert plan.order.tolist() == [0, 1]  # a decodes, b prefills
+    assert s.temperature.tolist() == pytest.approx([0.7, 1.0, 0.0, 0.0])
+    assert s.top_p.tolist() == pytest.approx([0.8, 1.0, 1.0, 1.0]) and s.top_k.tolist() == [0, 0, 0, 0]
+    assert s.seeds.tolist() == [3, 4, 0, 0] and s.num_logprobs.tolist() == [-1, -1, -1, -1]
+    assert p.repetition_penalty.tolist() == pytest.approx([1.3, 1.0, 1.0, 1.0])
+    assert p.presence_penalty.tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    assert p.frequency_penalty.tolist() == pytest.approx([0.25, 0.0, 0.0, 0.0])
+    assert p.min_p.tolist() == pytest.approx([0.1, 0.0, 0.0, 0.0])
+    assert p.use_bias.tolist() == [True, False, False, False]
+    assert p.suppress_stop.tolist() == [True, False, False, False]  # a draws its 2nd token (< min 4); b: min 0
+    assert p.row_slot.tolist()[:2] == [0, 1]
+    assert inp.next_prompt_ids.tolist() == [-1] * 16
+    expected = {"from_device": bool, "use_bias": bool, "suppress_stop": bool, "token_is_output": bool,
+                "reset_slots": bool, "seeds": np.uint32}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(inp):
+        name = jax.tree_util.keystr(path).rsplit(".", 1)[-1]
+        want = expected.get(name, np.float32 if leaf.dtype.kind == "f" else np.int32)
+        assert leaf.dtype == want, (name, leaf.dtype)
+    assert batch.token_ids.dtype == batch.num_known.dtype == batch.block_table.dtype == np.int32
