@@ -75,8 +75,12 @@ async def send_one(session, url: str, model: str, prompt, max_tokens: int, api_k
     return res
 
 
-def load_prompts(ns) -> list[tuple[object, int]]:
-    """(prompt, max_tokens) pairs: a file of real prompts, or the random-token workload."""
+FIRST_ID = 20  # random prompts use token ids from here up (below: specials in most vocabularies)
+
+
+def load_prompts(ns, variant: int = 0) -> list[tuple[object, int]]:
+    """(prompt, max_tokens) pairs: a file of real prompts, or the random-token workload. `variant` > 0 shifts the
+    random prompts' token ids (same lengths, other tokens), so each rate of a sweep misses the prefix cache."""
     out_lo, out_hi = parse_range(ns.output_len)
     rng = np.random.default_rng(ns.seed)
     if ns.dataset:
@@ -86,14 +90,16 @@ def load_prompts(ns) -> list[tuple[object, int]]:
         return [(p, int(rng.integers(out_lo, out_hi + 1))) for p in prompts]
     vocab = ns.vocab_size
     reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), (out_lo, out_hi), vocab, ns.seed,
-                                 set(range(0, 20)))
-    return [(r.prompt_token_ids, r.output_len) for r in reqs]
+                                 set(range(0, FIRST_ID)))
+    shift = variant * 7919
+    return [([FIRST_ID + (t - FIRST_ID + shift) % (vocab - FIRST_ID) for t in r.prompt_token_ids], r.output_len)
+            for r in reqs]
 
 
-async def run(ns, request_rate: float) -> dict:
+async def run(ns, request_rate: float, variant: int = 0) -> dict:
     import aiohttp
 
-    work = load_prompts(ns)
+    work = load_prompts(ns, variant)
     url = ns.base_url.rstrip("/") + "/v1/completions"
     rng = np.random.default_rng(ns.seed + 1)
     sem = asyncio.Semaphore(ns.max_concurrency or len(work) or 1)
@@ -229,8 +235,8 @@ def main(ns: argparse.Namespace) -> dict:
     rates = [float(r) for r in str(ns.request_rate).split(",")]
     parse_goodput(ns.goodput)  # (bad SLOs fail before any request is sent)
     runs = []
-    for rate in rates:
-        summary = asyncio.run(run(ns, rate))
+    for i, rate in enumerate(rates):
+        summary = asyncio.run(run(ns, rate, variant=i))
         summary["label"] = ns.label
         print_table(summary)
         runs.append(summary)
