@@ -92,6 +92,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     logprobs: list = [None if params.logprobs is None else completion_logprobs([], []) for _ in texts]
     prompt_lps: list = [None] * len(prompts)  # the engine's entries, per prompt
     started = [False] * len(texts)
+    offsets = [0] * len(texts)  # where the next token's text starts: the echo, then the tokens' texts so far
     completion_tokens = 0
 
     def chunk(choices):
@@ -124,11 +125,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 if echo and not started[c]:
                     prefix, prefix_lp = echoed(i)
                     texts[c] = prefix
+                    offsets[c] = len(prefix)
                 started[c] = True
                 completion_tokens += len(token_ids)
                 if o.logprobs is not None:
-                    lp = completion_logprobs(o.logprobs[: len(token_ids)], token_ids, text_offset=len(texts[c]),
-                                             as_ids=as_ids)
+                    entries = o.logprobs[: len(token_ids)]
+                    # (offsets count the tokens' texts, not the text sent so far, which may hold back a partial
+                    # character or stop string: the same offsets however the tokens are grouped into chunks)
+                    lp = completion_logprobs(entries, token_ids, text_offset=offsets[c], as_ids=as_ids)
+                    offsets[c] += sum(len(e[t].decoded_token or "") for t, e in zip(token_ids, entries))
                     if prefix_lp is not None:
                         lp = {key: prefix_lp[key] + lp[key] for key in lp}
                     for key in lp:
