@@ -40,6 +40,7 @@ def paged_attention(
     sliding_window: int | None,
     kv_chunk: int,
     backend: str = "reference",
+    max_query_len: int | None = None,
 ) -> Float[Array, "T H D"]:
     """Each token over its sequence's cached context (in the pool) and the step's new tokens, causally.
 
@@ -47,7 +48,8 @@ def paged_attention(
     the first rows, longest context first (the runner lays steps out that way); tests hold it equal to
     `pallas_kernels.paged_attention.reference_ragged_paged_attention`. "pallas": the Triton kernel,
     reading the new tokens' K/V from the pool (written just before); "pallas-interpret": the same
-    kernel through the Pallas interpreter (CPU tests).
+    kernel through the Pallas interpreter (CPU tests). `max_query_len` (static, optional): no sequence
+    has more new tokens than this; the reference path then reads fewer new keys per token.
     """
     if backend in ("pallas", "pallas-interpret"):
         return ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
@@ -57,6 +59,7 @@ def paged_attention(
     return split_ragged_paged_attention(
         q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, decode_context_lens,
         seq_context_lens, continuation_rows, sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,
+        max_query_len=max_query_len,
     )
 
 

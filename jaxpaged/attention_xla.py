@@ -42,24 +42,29 @@ def _masked_softmax_part(s, visible, v, pv_spec: str):
     return m, p.sum(-1), jnp.einsum(pv_spec, p, v)
 
 
-def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, *, tile: int = 128):
+def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, *, tile: int = 128,
+                    max_query_len: int | None = None):
     """Part A: each token over the step's new tokens of its own sequence, causally.
 
     A sequence's new tokens are contiguous and in position order, so a token only sees tokens at or
     before it in the flat layout: query tile i reads keys [0, end of tile i) only (the lower triangle).
+    With `max_query_len` (no sequence has more new tokens than that), tile i reads only the
+    `max_query_len - 1` keys before it as well: a batch of B prompts of P tokens costs B·P·(tile + P)
+    instead of (B·P)²/2.
     """
     t = qg.shape[0]
     k_new, v_new = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
     parts = []
     for start in range(0, t, tile):
         end = min(start + tile, t)
-        s = jnp.einsum("tkgd,jkd->tkgj", qg[start:end], k_new[:end])  # [tile, KH, G, end]
-        qs, ks = token_seq[start:end], token_seq[:end]
+        lo = 0 if max_query_len is None else max(0, start - max_query_len + 1)
+        s = jnp.einsum("tkgd,jkd->tkgj", qg[start:end], k_new[lo:end])  # [tile, KH, G, end - lo]
+        qs, ks = token_seq[start:end], token_seq[lo:end]
         visible = (qs[:, None] == ks[None, :]) & (ks[None, :] >= 0)
-        visible &= positions[None, :end] <= positions[start:end, None]
+        visible &= positions[None, lo:end] <= positions[start:end, None]
         if sliding_window is not None:
-            visible &= positions[None, :end] > positions[start:end, None] - sliding_window
-        parts.append(_masked_softmax_part(s, visible[:, None, None, :], v_new[:end], "tkgj,jkd->tkgd"))
+            visible &= positions[None, lo:end] > positions[start:end, None] - sliding_window
+        parts.append(_masked_softmax_part(s, visible[:, None, None, :], v_new[lo:end], "tkgj,jkd->tkgd"))
     return tuple(jnp.concatenate(xs) for xs in zip(*parts))
 
 
@@ -70,7 +75,10 @@ def _window_mask(key_pos, positions, sliding_window):
 
 
 def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, sliding_window):
-    """Part B: row t over keys [0, context_lens[t]) of its own table; rows sorted by context, descending."""
+    """Part B: row t over keys [0, context_lens[t]) of its own table.
+
+    Rows sorted by context, descending, are fastest (a group stops at its own longest context); any
+    order is exact."""
     r, kh, group, d = qg.shape
     gs = min(max(ROW_GROUP, -(-r // MAX_ROW_GROUPS)), r)
     num_groups = -(-r // gs)
@@ -78,7 +86,8 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
     padr = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     qg_p, tables_p, ctx_p, pos_p = padr(qg), padr(tables), padr(context_lens), padr(positions)
     bpc = kv_chunk // kv_pool.shape[3]
-    active_groups = (jnp.sum(ctx_p > 0) + gs - 1) // gs
+    last_row = jnp.max(jnp.where(ctx_p > 0, jnp.arange(ctx_p.shape[0]) + 1, 0))  # rows after it read nothing
+    active_groups = (last_row + gs - 1) // gs
 
     def group_body(g, state):
         rows = lambda x: jax.lax.dynamic_slice_in_dim(x, g * gs, gs, axis=0)  # noqa: E731
@@ -165,13 +174,14 @@ def split_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     kv_chunk: int = 32,
+    max_query_len: int | None = None,  # most new tokens of one sequence, if known (static); see part A
 ) -> Float[Array, "T H D"]:
     """Attention of each token over its sequence's cached context and the step's new tokens."""
     t, h, d = q.shape
     kh = k_new.shape[1]
     s = block_tables.shape[0]
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32) * sm_scale
-    state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window)
+    state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, max_query_len=max_query_len)
     r = min(s, t)
     tables = block_tables[jnp.maximum(token_seq[:r], 0)]
     head = _decode_part(qg[:r], kv_pool, layer, tables, decode_context_lens[:r], positions[:r], kv_chunk,

@@ -41,6 +41,7 @@ def _serve(ns: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.bench import functional as functional_bench
     from jaxpaged.bench import host as host_bench
     from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
     from jaxpaged.bench import kernels as kernel_bench
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     hb = bench_sub.add_parser("host", help="host milliseconds per engine step, the device step stubbed out")
     host_bench.add_args(hb)
     hb.set_defaults(func=host_bench.main)
+    fb = bench_sub.add_parser("functional", help="jaxpaged.functional.generate against LLM.generate, one batch")
+    functional_bench.add_args(fb)
+    fb.set_defaults(func=functional_bench.main)
     kb = bench_sub.add_parser("kernels", help="Pallas kernels against their references (run it on a GPU)")
     kernel_bench.add_args(kb)
     kb.set_defaults(func=kernel_bench.main)

@@ -42,6 +42,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: str  # "float32" | "bfloat16" | "float16"
 
+    def __hash__(self) -> int:
+        """Hashable (a static argument of jitted functions) although rope_scaling is a dict."""
+        return hash(tuple(tuple(sorted((self.rope_scaling or {}).items())) if f.name == "rope_scaling"
+                          else getattr(self, f.name) for f in dataclasses.fields(self)))
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V, over all layers, that one token occupies in the pool."""

@@ -6,7 +6,7 @@ not grow with depth. The KV pool is threaded functionally: in, updated in place,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -54,81 +54,118 @@ class AttentionMetadata:
     seq_context_lens: Int[Array, "S"]  # tokens of each sequence already in the pool before this step
     continuation_rows: Int[Array, "S"]  # rows with >1 new token and cached context, then -1
     block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
+    # static: the most new tokens any one sequence has in the step, when the caller knows it (functional
+    # prefill); lets the attention read only nearby keys for the new tokens. None: up to T.
+    max_query_len: int | None = field(default=None, metadata={"static": True})
+
+
+def forward(
+    cfg: ModelConfig, params: dict, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"],
+    meta: AttentionMetadata, *, attention_backend: str = "reference", kv_chunk: int = 32,
+) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
+    """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool.
+
+    `params` is our parameter tree (`model_params`): embed, final_norm, optional lm_head, and the
+    stacked layer weights under "layers" ([L, ...] each), scanned over with `lax.scan`.
+    """
+    t = token_ids.shape[0]
+    h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    x = params["embed"][token_ids]  # [T, E]
+
+    def layer(carry, xs):
+        x, pool = carry
+        w, idx = xs
+        y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        q, k, v = y @ w["wq"], y @ w["wk"], y @ w["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
+        k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
+        v = v.reshape(t, kh, d)
+        pool = write_kv(pool, idx, k, v, meta.slot_mapping)
+        a = paged_attention(
+            q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
+            meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
+            sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
+            backend=attention_backend, max_query_len=meta.max_query_len,
+        )
+        o = a.reshape(t, h * d) @ w["wo"]
+        if cfg.o_bias:
+            o = o + w["bo"]
+        x = x + o
+        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate"], w["w_up"], w["w_down"])
+        return (x, pool), None
+
+    xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_pool
+
+
+def compute_logits(params: dict, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
+    """Vocabulary logits in float32 (the tied embedding when the model has no lm_head)."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+
+
+def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict:
+    """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype."""
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"weights are missing {missing}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+    dtype = jnp.dtype(cfg.dtype)
+    params: dict = {"layers": {}}
+    for name in expected:
+        if name.startswith("layers."):
+            params["layers"][name[len("layers."):]] = jnp.asarray(weights[name], dtype)
+        else:
+            params[name] = jnp.asarray(weights[name], dtype)
+    return params
 
 
 class LlamaLayers(nnx.Module):
     """The stacked weights of all decoder layers."""
 
-    def __init__(self, weights: dict[str, np.ndarray], dtype):
+    def __init__(self, weights: dict[str, jax.Array]):
         for name, w in weights.items():
-            setattr(self, name, nnx.Param(jnp.asarray(w, dtype)))
+            setattr(self, name, nnx.Param(w))
 
     def stacked(self) -> dict[str, jax.Array]:
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only Llama-family model over a paged KV pool."""
+    """Decoder-only Llama-family model over a paged KV pool: the engine's holder of `forward`'s params."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
                  kv_chunk: int = 32):
-        expected = param_shapes(cfg)
-        missing = sorted(set(expected) - set(weights))
-        if missing:
-            raise ValueError(f"weights are missing {missing}")
-        for name, shape in expected.items():
-            if tuple(weights[name].shape) != shape:
-                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
-        dtype = jnp.dtype(cfg.dtype)
+        params = model_params(cfg, weights)
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.kv_chunk = kv_chunk
-        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
-        self.embed = nnx.Param(jnp.asarray(weights["embed"], dtype))
-        self.final_norm = nnx.Param(jnp.asarray(weights["final_norm"], dtype))
-        self.lm_head = nnx.Param(jnp.asarray(weights["lm_head"], dtype)) if "lm_head" in weights else None
-        self.layers = LlamaLayers({k[len("layers."):]: w for k, w in weights.items() if k.startswith("layers.")},
-                                  dtype)
+        self.embed = nnx.Param(params["embed"])
+        self.final_norm = nnx.Param(params["final_norm"])
+        self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
+        self.layers = LlamaLayers(params["layers"])
+
+    def params(self) -> dict:
+        """The parameter tree `forward` takes."""
+        out = {"embed": self.embed[...], "final_norm": self.final_norm[...], "layers": self.layers.stacked()}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head[...]
+        return out
 
     def __call__(
         self, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"], meta: AttentionMetadata
     ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
         """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool."""
-        cfg = self.cfg
-        t = token_ids.shape[0]
-        h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        inv_freq = self.inv_freq[...]
-        x = self.embed[...][token_ids]  # [T, E]
-
-        def layer(carry, xs):
-            x, pool = carry
-            w, idx = xs
-            y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = y @ w["wq"], y @ w["wk"], y @ w["wv"]
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
-            k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
-            v = v.reshape(t, kh, d)
-            pool = write_kv(pool, idx, k, v, meta.slot_mapping)
-            a = paged_attention(
-                q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
-                meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
-                sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=self.kv_chunk,
-                backend=self.attention_backend,
-            )
-            o = a.reshape(t, h * d) @ w["wo"]
-            if cfg.o_bias:
-                o = o + w["bo"]
-            x = x + o
-            x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate"], w["w_up"], w["w_down"])
-            return (x, pool), None
-
-        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv_pool
+        return forward(self.cfg, self.params(), token_ids, kv_pool, meta, attention_backend=self.attention_backend,
+                       kv_chunk=self.kv_chunk)
 
     def compute_logits(self, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
         """Vocabulary logits in float32."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        return compute_logits(self.params(), hidden)

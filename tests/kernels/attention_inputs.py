@@ -5,9 +5,11 @@ import numpy as np
 
 
 def make_step(rng, seqs, *, block_size=16, kh=2, group=3, d=16, table_width=16, num_blocks=120, layers=2,
-              dtype=jnp.float32):
-    """seqs: list of (context_len, new_tokens), laid out as the runner does (decodes first, longest first)."""
-    seqs = sorted(seqs, key=lambda s: (2 if s[0] == 0 else (0 if s[1] == 1 else 1), -s[0]))
+              dtype=jnp.float32, runner_order=True):
+    """seqs: list of (context_len, new_tokens), laid out as the runner does (decodes first, longest first),
+    or in the given order (runner_order=False)."""
+    if runner_order:
+        seqs = sorted(seqs, key=lambda s: (2 if s[0] == 0 else (0 if s[1] == 1 else 1), -s[0]))
     h = kh * group
     pool = jnp.asarray(rng.normal(size=(layers, 2, num_blocks, block_size, kh, d)), dtype)
     perm = rng.permutation(np.arange(1, num_blocks))

@@ -39,6 +39,37 @@ def test_split_attention_matches_pool_reference(case, window):
     assert np.isfinite(np.asarray(got)).all()
 
 
+def _check_against_reference(x, **kwargs):
+    layer = jnp.int32(1)
+    pool = write_kv(x["pool"], layer, x["k"], x["v"], x["slots"])
+    ref = reference_ragged_paged_attention(x["q"], pool, layer, x["tables"], jnp.maximum(x["token_seq"], 0),
+                                           x["positions"], sm_scale=0.25, kv_chunk=32)
+    got = split_ragged_paged_attention(x["q"], x["k"], x["v"], pool, layer, x["tables"], x["token_seq"],
+                                       x["positions"], x["decode_ctx"], x["seq_ctx"], x["cont_rows"],
+                                       sm_scale=0.25, kv_chunk=16, **kwargs)
+    n = x["real"]
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(ref[:n]), rtol=1e-5, atol=1e-5)
+
+
+def test_new_token_window_with_max_query_len():
+    """Many sequences' new tokens spanning several 128-row tiles, read with a key window of max_query_len
+    (what functional prefill passes): equal to the reference. A window one short loses keys and fails."""
+    rng = np.random.default_rng(2)
+    seqs = [(0, 40)] * 4 + [(0, 27), (0, 70), (20, 33), (0, 1), (9, 70)]  # rows 187..256: across a tile edge
+    x = make_step(rng, seqs, runner_order=False, num_blocks=200)
+    _check_against_reference(x, max_query_len=70)
+    with pytest.raises(AssertionError):
+        _check_against_reference(x, max_query_len=69)
+
+
+def test_decode_rows_in_any_order():
+    """Decode rows need not be sorted by context: 10 rows without context first, then 10 with context (rows of
+    two groups of 16, though fewer than 16 have context) are all read."""
+    rng = np.random.default_rng(3)
+    seqs = [(0, 1)] * 10 + [(c, 1) for c in (3, 90, 17, 33, 64, 1, 120, 48, 5, 77)]
+    _check_against_reference(make_step(rng, seqs, runner_order=False, num_blocks=200))
+
+
 def test_padding_writes_are_dropped():
     rng = np.random.default_rng(1)
     x = make_step(rng, [(0, 4)])

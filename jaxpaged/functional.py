@@ -1,0 +1,255 @@
+"""Pure, jittable generation on the engine's paged KV cache, for JAX research code.
+
+    config, params = load()                                  # HF folder, GGUF, or the default model
+    out = generate(config, params, tokens, lengths, jax.random.key(0), max_new_tokens=64)
+
+`prefill`, `decode` and `generate` are pure functions of arrays, already jitted (`config` static, the
+cache donated), and usable inside a caller's own `jit`, `lax.scan` or `while_loop`. They run the
+engine's model code (`jaxpaged.models.llama.forward`) with the engine's attention and sampler
+backends: the Pallas kernels on GPU, the plain-JAX paths elsewhere. There is no host loop: `generate`
+is one compiled program, a `lax.while_loop` over decode steps that stops when every row has ended.
+
+The KV cache is the engine's paged pool with a block table per row; `init_cache` gives each row its
+own contiguous run of blocks (block 0 stays the null block that padding points at), and a caller may
+hand in other tables (rows sharing a prefix's blocks, say) as long as they write only their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.attention import empty_kv_pool
+from jaxpaged.config import ModelConfig, platform_is_gpu, resolve_kernel_backend
+from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
+from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
+
+__all__ = ["Config", "KVCache", "load", "load_tokenizer", "init_cache", "prefill", "decode", "sample", "generate"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything static about a model: its shapes and which kernels run it. Hashable (a static argument)."""
+
+    model: ModelConfig
+    attention_backend: str = "reference"  # "pallas", "pallas-interpret" or "reference" (resolved)
+    sampler_backend: str = "reference"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model.eos_token_ids
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """The paged KV cache of B rows: a pytree, donated into `prefill` and `decode`."""
+
+    pool: Float[Array, "L 2 N bs KH D"]  # every layer's K (index 0) and V (index 1); block 0 is the null block
+    block_tables: Int[Array, "B W"]  # each row's physical blocks in order; 0 past its capacity
+    lengths: Int[Array, "B"]  # tokens of each row already in the cache
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.shape[3]
+
+
+def load(model: str | None = None, *, dtype: str | None = None, load_format: str = "auto",
+         attention_backend: str = "auto", sampler_backend: str = "auto") -> tuple[Config, dict]:
+    """(config, params) from an HF folder, a .gguf file, or (None) the default SmolLM2 model.
+
+    dtype: "float32", "bfloat16" or "float16"; default bfloat16 on GPU, float32 elsewhere. load_format
+    "dummy": random weights from the config alone. Backends "auto": the Pallas kernels on GPU, the
+    plain-JAX paths elsewhere. params is a dict of jax arrays (stacked layer weights under "layers").
+    """
+    from jaxpaged.models.registry import default_model_path, load_hf_config, load_weights, model_config_from_hf
+
+    dtype = dtype or ("bfloat16" if platform_is_gpu() else "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    for name, value in (("attention_backend", attention_backend), ("sampler_backend", sampler_backend)):
+        if value not in ("auto", "pallas", "reference"):
+            raise ValueError(f"{name} must be auto, pallas or reference, got {value!r}")
+    path = model or default_model_path()
+    model_config = model_config_from_hf(path, load_hf_config(path), dtype)
+    params = model_params(model_config, load_weights(model_config, load_format))
+    return Config(model_config, resolve_kernel_backend(attention_backend),
+                  resolve_kernel_backend(sampler_backend)), params
+
+
+def load_tokenizer(model: str | None = None):
+    """The transformers tokenizer (with its chat template) of `model`, as `load` reads it."""
+    from jaxpaged.models.registry import default_model_path, load_tokenizer as _load
+
+    return _load(model or default_model_path())
+
+
+def _kv_chunk(block_size: int) -> int:
+    return max(32, block_size)  # as the engine: context read a chunk of blocks at a time
+
+
+def init_cache(config: Config, *, num_seqs: int, max_len: int, block_size: int = 16, dtype=None) -> KVCache:
+    """An empty cache for `num_seqs` rows of up to `max_len` tokens each, blocks assigned contiguously.
+
+    Tokens past a row's `max_len` (rounded up to whole blocks) are not stored.
+    """
+    mc = config.model
+    if num_seqs <= 0:
+        raise ValueError(f"num_seqs must be positive, got {num_seqs}")
+    if not 0 < max_len <= mc.max_position_embeddings:
+        raise ValueError(f"max_len must be in [1, {mc.max_position_embeddings}] (the model's context), got {max_len}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size}")
+    blocks = -(-max_len // block_size)  # per row
+    chunk_blocks = 4 * _kv_chunk(block_size) // block_size  # table width: whole chunks of the widest read
+    width = -(-blocks // chunk_blocks) * chunk_blocks
+    ids = 1 + jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * blocks + jnp.arange(width, dtype=jnp.int32)[None, :]
+    tables = jnp.where(jnp.arange(width)[None, :] < blocks, ids, 0)
+    pool = empty_kv_pool(mc.num_layers, 1 + num_seqs * blocks, block_size, mc.num_kv_heads, mc.head_dim,
+                         jnp.dtype(dtype or mc.dtype))
+    return KVCache(pool, tables, jnp.zeros(num_seqs, jnp.int32))
+
+
+def _slots(cache: KVCache, rows: Int[Array, "T"], positions: Int[Array, "T"], valid) -> Int[Array, "T"]:
+    """Pool slot of each token; out of range (dropped on write) for padding and past a row's capacity."""
+    bs, n = cache.block_size, cache.pool.shape[2]
+    blk = cache.block_tables.at[rows, positions // bs].get(mode="fill", fill_value=0)
+    return jnp.where(valid & (blk > 0), blk * bs + positions % bs, n * bs)
+
+
+def _step(config: Config, params: dict, cache: KVCache, token_ids, meta: AttentionMetadata):
+    hidden, pool = forward(config.model, params, token_ids, cache.pool, meta,
+                           attention_backend=config.attention_backend, kv_chunk=_kv_chunk(cache.block_size))
+    return hidden, pool
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=2)
+def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B P"], lengths: Int[Array, "B"]
+            ) -> tuple[Float[Array, "B V"], KVCache]:
+    """Append each row's first `lengths[b]` tokens (right-padded `tokens`) after what the cache holds.
+
+    Returns the logits (float32) after each row's last new token, and the cache with `lengths` added.
+    A row with no new tokens keeps its cache; its logits are zeros.
+    """
+    b, p = tokens.shape
+    ctx = cache.lengths
+    i = jnp.arange(p, dtype=jnp.int32)
+    valid = i[None, :] < lengths[:, None]  # [B, P]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, p))
+    positions = jnp.where(valid, ctx[:, None] + i[None, :], 0).reshape(-1)
+    flat_valid, flat_rows = valid.reshape(-1), rows.reshape(-1)
+    (continuation,) = jnp.nonzero((ctx > 0) & (lengths > 0), size=b, fill_value=-1)
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=_slots(cache, flat_rows, positions, flat_valid),
+        token_seq=jnp.where(flat_valid, flat_rows, -1),
+        decode_context_lens=jnp.zeros(b * p, jnp.int32),  # cached context goes through part C (continuations)
+        seq_context_lens=ctx,
+        continuation_rows=continuation.astype(jnp.int32),
+        block_tables=cache.block_tables,
+        max_query_len=p,
+    )
+    hidden, pool = _step(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
+    last = jnp.arange(b) * p + jnp.maximum(lengths - 1, 0)
+    logits = jnp.where((lengths > 0)[:, None], compute_logits(params, hidden[last]), 0.0)
+    return logits, KVCache(pool, cache.block_tables, ctx + lengths.astype(jnp.int32))
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=2)
+def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
+           ) -> tuple[Float[Array, "B V"], KVCache]:
+    """Append one token per row; returns the logits (float32) after it and the cache one longer per row."""
+    b = tokens.shape[0]
+    ctx = cache.lengths
+    rows = jnp.arange(b, dtype=jnp.int32)
+    meta = AttentionMetadata(
+        positions=ctx,
+        slot_mapping=_slots(cache, rows, ctx, True),
+        token_seq=rows,
+        decode_context_lens=ctx,
+        seq_context_lens=ctx,
+        continuation_rows=jnp.full(b, -1, jnp.int32),
+        block_tables=cache.block_tables,
+        max_query_len=1,
+    )
+    hidden, pool = _step(config, params, cache, tokens.astype(jnp.int32), meta)
+    return compute_logits(params, hidden), KVCache(pool, cache.block_tables, ctx + 1)
+
+
+def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, top_k=0, top_p=1.0
+           ) -> Int[Array, "B"]:
+    """One token per row: greedy where temperature <= 0, else drawn after top-k and top-p filtering.
+
+    temperature, top_k (0 = off), top_p (1 = off): scalars or per-row [B] arrays (traced, not static).
+    key: one PRNG key; rows draw independently.
+    """
+    b = logits.shape[0]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (b,))
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))
+    if config.sampler_backend in ("pallas", "pallas-interpret"):
+        draw = partial(top_k_top_p_sampling, interpret=config.sampler_backend == "pallas-interpret")
+    else:
+        draw = reference_top_k_top_p_sampling
+    return jax.lax.cond(jnp.all(temperature <= 0), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                        lambda x: draw(x, key, temperature, top_k, top_p), logits.astype(jnp.float32))
+
+
+def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: Int[Array, "B"], key, *,
+             max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
+             eos_id: int | Sequence[int] | None = None, block_size: int = 16) -> Int[Array, "B N"]:
+    """`max_new_tokens` tokens after each row's prompt (right-padded `tokens`, `lengths[b]` real ones).
+
+    One compiled program: a prefill, then a `lax.while_loop` of decode steps that exits once every row
+    has drawn an `eos_id` (one id or several; None: never ends early). After its end a row is padded
+    with the (first) eos id. Sampling as `sample`; step i draws with `fold_in(key, i)`.
+    """
+    eos = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if jnp.ndim(tokens) != 2 or jnp.shape(lengths) != jnp.shape(tokens)[:1]:
+        raise ValueError(f"tokens must be [B, P] and lengths [B]; got {jnp.shape(tokens)} and {jnp.shape(lengths)}")
+    if isinstance(lengths, (np.ndarray, list, tuple)):  # values known on the host: check them for free
+        lens = np.asarray(lengths)
+        if lens.min() < 1 or lens.max() > jnp.shape(tokens)[1]:
+            raise ValueError(f"lengths must be in [1, P={jnp.shape(tokens)[1]}], got {lens.tolist()}")
+    return _generate(config, params, tokens, lengths, key, temperature, top_k, top_p,
+                     max_new_tokens=max_new_tokens, eos=eos, block_size=block_size)
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "eos", "block_size"))
+def _generate(config: Config, params, tokens, lengths, key, temperature, top_k, top_p, *, max_new_tokens: int,
+              eos: tuple[int, ...], block_size: int):
+    b, p = tokens.shape
+    cache = init_cache(config, num_seqs=b, max_len=p + max_new_tokens, block_size=block_size)
+    eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
+    pad = eos[0] if eos else 0
+    draw = lambda logits, i: sample(config, logits, jax.random.fold_in(key, i), temperature, top_k, top_p)  # noqa: E731
+
+    logits, cache = prefill(config, params, cache, tokens, lengths.astype(jnp.int32))
+    first = draw(logits, 0)
+    out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids)
+
+    def body(state):
+        i, out, cache, done = state
+        logits, cache = decode(config, params, cache, out[:, i - 1])
+        token = jnp.where(done, pad, draw(logits, i))
+        return i + 1, out.at[:, i].set(token), cache, done | jnp.isin(token, eos_ids)
+
+    def cond(state):
+        i, _, _, done = state
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    _, out, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, cache, done))
+    return out
