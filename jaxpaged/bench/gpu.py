@@ -8,8 +8,10 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
   2. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
      bf16, max_num_seqs 256 (async scheduling, the default);
   3. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
-  4. jaxpaged again without async scheduling, then with max_num_seqs 512;
-  5. `jaxpaged bench kernels`.
+  4. `jaxpaged bench functional`: `functional.generate` against `LLM.generate`, 64 prompts of 128 ids, 128
+     greedy tokens each (one process, both on the dummy model);
+  5. jaxpaged again without async scheduling;
+  6. `jaxpaged bench kernels`.
 Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
 and `gpu_bench.json` under --output-dir.
 """
@@ -24,8 +26,8 @@ import sys
 import time
 
 STAGES = {  # name -> (time limit in seconds, smoke time limit); the most telling first, 6 minutes in all
-    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (80, 300), "jaxpaged_sync_seqs256": (60, 300),
-    "jaxpaged_seqs512": (50, 300), "kernels": (40, 300),
+    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (80, 300), "functional": (50, 300),
+    "jaxpaged_sync_seqs256": (60, 300), "kernels": (40, 300),
 }
 
 
@@ -51,9 +53,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "jaxpaged_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype]),
         "hf_static_bs256": _throughput_cmd(model, "", ns, extra=["--backend", "hf", "--hf-batch-size", "256",
                                                                  "--dtype", dtype]),
+        "functional": [sys.executable, "-m", "jaxpaged", "bench", "functional", "--model", model, "--load-format",
+                       "dummy", "--dtype", dtype, *(["--num-prompts", "4", "--input-len", "8", "--output-len", "8"]
+                                                    if ns.smoke else ["--num-prompts", "64"])],
         "jaxpaged_sync_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype,
                                                                        "--no-async-scheduling"]),
-        "jaxpaged_seqs512": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "512", "--dtype", dtype]),
         "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
     }
     rows = []
@@ -74,7 +78,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(os.path.join(ns.output_dir, f"{name}.log"), "w") as f:
             f.write(log)
         row = {"stage": name, "status": status, "stage_s": round(time.perf_counter() - t0, 1)}
-        if status == "ok" and name != "kernels":
+        if status == "ok" and name == "functional":
+            engine, functional = json.load(open(out))
+            row.update(output_tok_s=round(functional["output_tokens_per_s"], 1), wall_s=round(functional["wall_s"], 2),
+                       engine_output_tok_s=round(engine["output_tokens_per_s"], 1),
+                       rows_equal=functional["rows_equal_to_engine"])
+        elif status == "ok" and name != "kernels":
             r = json.load(open(out))[0]
             row.update(output_tok_s=round(r["output_tokens_per_s"], 1), wall_s=round(r["wall_s"], 2),
                        warmup_s=round(r["warmup_s"], 1), num_steps=r.get("num_steps"))
@@ -84,6 +93,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"| {r['stage']} | {r['status']} | {r.get('output_tok_s', '-')} | {r.get('wall_s', '-')} | "
               f"{r.get('warmup_s', '-')} | {r['stage_s']} |")
+    for r in rows:
+        if r["stage"] == "functional" and "engine_output_tok_s" in r:
+            print(f"\nfunctional.generate {r['output_tok_s']} vs LLM.generate {r['engine_output_tok_s']} output tok/s "
+                  f"on the same batch; greedy rows equal: {r['rows_equal']}")
     with open(os.path.join(ns.output_dir, "gpu_bench.json"), "w") as f:
         json.dump(rows, f, indent=2)
     return rows
