@@ -52,5 +52,7 @@ def greedy_with_entropy(params, tokens, lengths, steps: int = 16):
 
 
 toks, entropy = greedy_with_entropy(params, tokens, lengths)
-print("entropy (nats) of the first 8 steps, prompt 0:", np.round(np.asarray(entropy[0, :8]), 2).tolist())
-print("same tokens as generate:", bool((np.asarray(toks) == np.asarray(out[:, :16])).all()))
+print("entropy (nats) of the first 8 steps, prompt 0:", [f"{e:.2f}" for e in np.asarray(entropy[0, :8])])
+is_eos = np.isin(np.asarray(out[:, :16]), config.eos_token_ids)
+before_eos = np.cumsum(is_eos, axis=1) - is_eos == 0  # up to each row's first EOS (generate pads after it)
+print("same tokens as generate:", bool((np.asarray(toks) == np.asarray(out[:, :16]))[before_eos].all()))

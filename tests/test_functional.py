@@ -1,6 +1,7 @@
 """`jaxpaged.functional`: pure jitted generation equals HF transformers and the engine, token for token."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -215,3 +216,18 @@ def test_bad_arguments_raise_before_work(llama):
         F.init_cache(config, num_seqs=2, max_len=64, block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         F.load("unused", dtype="float64")
+
+
+def test_bench_functional_compares_with_the_engine(tiny_model_dir, tmp_path, capsys):
+    from jaxpaged.cli import build_parser
+
+    out = tmp_path / "functional.json"
+    ns = build_parser().parse_args(["bench", "functional", "--model", tiny_model_dir("llama"), "--num-prompts", "3",
+                                    "--input-len", "20", "--output-len", "6", "--max-num-batched-tokens", "64",
+                                    "--output-json", str(out)])
+    ns.func(ns)
+    engine, functional = json.loads(out.read_text())
+    assert (engine["backend"], functional["backend"]) == ("LLM.generate", "functional.generate")
+    assert functional["rows_equal_to_engine"] == 3
+    assert functional["output_tokens_per_s"] > 0 and engine["output_tokens_per_s"] > 0
+    assert "greedy rows equal: 3/3" in capsys.readouterr().out
