@@ -231,3 +231,15 @@ def test_bench_functional_compares_with_the_engine(tiny_model_dir, tmp_path, cap
     assert functional["rows_equal_to_engine"] == 3
     assert functional["output_tokens_per_s"] > 0 and engine["output_tokens_per_s"] > 0
     assert "greedy rows equal: 3/3" in capsys.readouterr().out
+
+
+def test_generate_lowers_for_cuda_with_the_pallas_kernels(llama):
+    """On a GPU `generate` runs the Pallas attention and sampling kernels: the whole program lowers for CUDA."""
+    from tests.kernels.cuda_lowering import lower_for_cuda
+
+    _, config, params = llama
+    _, tokens, lengths = batch(9, [3, 20])
+    gpu = dataclasses.replace(config, attention_backend="pallas", sampler_backend="pallas")
+    text = lower_for_cuda(lambda p, t, n, k: F.generate(gpu, p, t, n, k, max_new_tokens=4, temperature=1.0),
+                          params, tokens, lengths, jax.random.key(0))
+    assert "ragged_paged_attention" in text and "top_k_top_p" in text
