@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention_xla import split_ragged_paged_attention
+from pallas_kernels.kv_storage import encode, storage_dtype
 from pallas_kernels.paged_attention import ragged_paged_attention
 
 
@@ -16,11 +17,15 @@ def write_kv(
     v: Float[Array, "T KH D"],
     slot_mapping: Int[Array, "T"],
 ) -> Float[Array, "L 2 N bs KH D"]:
-    """Scatter new K/V into their slots (block * block_size + offset). Out-of-range slots (padding) are dropped."""
+    """Scatter new K/V into their slots (block * block_size + offset). Out-of-range slots (padding) are dropped.
+
+    The pool may hold a narrower dtype than k and v (bfloat16, float16 or fp8 KV, stored as integers: see
+    `pallas_kernels.kv_storage`): values are rounded to it, saturating at its largest finite value.
+    """
     block_size = kv_pool.shape[3]
     blk, off = slot_mapping // block_size, slot_mapping % block_size
-    kv_pool = kv_pool.at[layer, 0, blk, off].set(k.astype(kv_pool.dtype), mode="drop")
-    return kv_pool.at[layer, 1, blk, off].set(v.astype(kv_pool.dtype), mode="drop")
+    kv_pool = kv_pool.at[layer, 0, blk, off].set(encode(k, kv_pool.dtype), mode="drop")
+    return kv_pool.at[layer, 1, blk, off].set(encode(v, kv_pool.dtype), mode="drop")
 
 
 def paged_attention(
@@ -64,5 +69,5 @@ def paged_attention(
 
 
 def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
-    """A zeroed pool [L, 2, N, block_size, KH, D]."""
-    return jnp.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype)
+    """A zeroed pool [L, 2, N, block_size, KH, D] of KV values of `dtype` (in its storage dtype)."""
+    return jnp.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), storage_dtype(dtype))

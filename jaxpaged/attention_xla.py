@@ -16,9 +16,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_storage import decode, encode
+
 _MASKED = -1e30
 ROW_GROUP = 16  # decode rows per group in part B, at least (16: ~10% faster decode steps than 8 on 2 CPU cores)
 MAX_ROW_GROUPS = 8  # and at most this many groups: 256 rows in groups of 32 (9% faster than 16 on a tiny model)
+
+
+def read_blocks(kv_pool, layer, which: int, ids) -> jax.Array:
+    """kv_pool[layer, which, ids] in float32, whatever the pool's KV dtype."""
+    return decode(kv_pool[layer, which, ids])
 
 
 def _merge(a, b):
@@ -95,8 +102,8 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
 
         def chunk_body(c, carry):
             ids = jax.lax.dynamic_slice_in_dim(tab, c * bpc, bpc, axis=1)
-            k = kv_pool[layer, 0, ids].reshape(gs, kv_chunk, kh, d).astype(jnp.float32)  # [gs, C, KH, D]
-            v = kv_pool[layer, 1, ids].reshape(gs, kv_chunk, kh, d).astype(jnp.float32)
+            k = read_blocks(kv_pool, layer, 0, ids).reshape(gs, kv_chunk, kh, d)  # [gs, C, KH, D]
+            v = read_blocks(kv_pool, layer, 1, ids).reshape(gs, kv_chunk, kh, d)
             key_pos = c * kv_chunk + jnp.arange(kv_chunk)
             visible = (key_pos[None, :] < ctx[:, None]) & _window_mask(key_pos, pos, sliding_window)
             s = jnp.einsum("tkgd,tckd->tkgc", q, k)
@@ -140,8 +147,8 @@ def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, s
 
             def chunk_body(c, carry):
                 ids = jax.lax.dynamic_slice_in_dim(table, c * bpc, bpc)
-                k = kv_pool[layer, 0, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)  # [C, KH, D]
-                v = kv_pool[layer, 1, ids].reshape(kv_chunk, kh, d).astype(jnp.float32)
+                k = read_blocks(kv_pool, layer, 0, ids).reshape(kv_chunk, kh, d)  # [C, KH, D]
+                v = read_blocks(kv_pool, layer, 1, ids).reshape(kv_chunk, kh, d)
                 key_pos = c * kv_chunk + jnp.arange(kv_chunk)
                 visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, pos, sliding_window)
                 s = jnp.einsum("tkgd,ckd->tkgc", q, k)
@@ -181,6 +188,9 @@ def split_ragged_paged_attention(
     kh = k_new.shape[1]
     s = block_tables.shape[0]
     qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32) * sm_scale
+    # New tokens' K/V as the pool holds them (rounded to a narrower KV dtype), as later steps and the kernel read
+    # them: outputs do not depend on how a prompt is split over steps.
+    k_new, v_new = decode(encode(k_new, kv_pool.dtype)), decode(encode(v_new, kv_pool.dtype))
     state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, max_query_len=max_query_len)
     r = min(s, t)
     tables = block_tables[jnp.maximum(token_seq[:r], 0)]

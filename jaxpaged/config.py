@@ -49,8 +49,12 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, over all layers, that one token occupies in the pool."""
-        itemsize = jax.numpy.dtype(self.dtype).itemsize
+        """Bytes of K and V, over all layers, that one token occupies in a pool of the model's dtype."""
+        return self.kv_bytes_per_token_in(self.dtype)
+
+    def kv_bytes_per_token_in(self, kv_dtype) -> int:
+        """Bytes of K and V, over all layers, that one token occupies in a pool of `kv_dtype`."""
+        itemsize = jax.numpy.dtype(kv_dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -60,6 +64,7 @@ class CacheConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 0  # physical blocks in the pool, block 0 (the null block) included
+    dtype: str = "float32"  # the pool's dtype (resolved from kv_cache_dtype): a jnp dtype name
     enable_prefix_caching: bool = False
     num_host_blocks: int = 0  # host-memory blocks that swap preemption moves requests' blocks to
 
@@ -110,6 +115,26 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+_KV_POOL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2", "fp8": "float8_e4m3fn"}
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV pool's jnp dtype name for vLLM's kv_cache_dtype names ("auto": the model's dtype).
+
+    fp8 values are stored unscaled (vLLM's default scale of 1.0 without calibrated scales), saturated at the
+    format's largest finite value.
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in _KV_POOL_DTYPES:
+        return _KV_POOL_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype in ("float32", *_KV_POOL_DTYPES.values()):
+        return kv_cache_dtype
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+
+
 def platform_is_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
@@ -149,6 +174,8 @@ class EngineArgs:
                                      "alone (a folder with config.json and a tokenizer), for benchmarks",
                              LOAD_FORMATS)
     dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
+    kv_cache_dtype: str = _flag("auto", "KV cache dtype; auto: the model's dtype; bfloat16/float16 halve a float32 "
+                                        "pool, fp8 (unscaled, saturating) quarters it", KV_CACHE_DTYPES)
     seed: int = _flag(0, "seed for requests that set none")
     block_size: int = _flag(DEFAULT_BLOCK_SIZE, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _flag(None, "KV blocks in the pool, overriding the memory budget (vLLM's "
@@ -218,6 +245,10 @@ class EngineArgs:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if platform_is_gpu() else "float32"
+
+    def resolved_kv_dtype(self) -> str:
+        """The KV pool's jnp dtype name."""
+        return kv_pool_dtype(self.kv_cache_dtype, self.resolved_dtype())
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         gpu = platform_is_gpu()

@@ -26,7 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import empty_kv_pool
-from jaxpaged.config import ModelConfig, platform_is_gpu, resolve_kernel_backend
+from jaxpaged.config import ModelConfig, kv_pool_dtype, platform_is_gpu, resolve_kernel_backend
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
 
@@ -101,7 +101,8 @@ def _kv_chunk(block_size: int) -> int:
 def init_cache(config: Config, *, num_seqs: int, max_len: int, block_size: int = 16, dtype=None) -> KVCache:
     """An empty cache for `num_seqs` rows of up to `max_len` tokens each, blocks assigned contiguously.
 
-    Tokens past a row's `max_len` (rounded up to whole blocks) are not stored.
+    Tokens past a row's `max_len` (rounded up to whole blocks) are not stored. dtype: the model's (None), a
+    jnp dtype, or one of vLLM's kv_cache_dtype names ("bfloat16", "fp8_e4m3", "fp8_e5m2").
     """
     mc = config.model
     if num_seqs <= 0:
@@ -115,8 +116,9 @@ def init_cache(config: Config, *, num_seqs: int, max_len: int, block_size: int =
     width = -(-blocks // chunk_blocks) * chunk_blocks
     ids = 1 + jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * blocks + jnp.arange(width, dtype=jnp.int32)[None, :]
     tables = jnp.where(jnp.arange(width)[None, :] < blocks, ids, 0)
+    name = "auto" if dtype is None else dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
     pool = empty_kv_pool(mc.num_layers, 1 + num_seqs * blocks, block_size, mc.num_kv_heads, mc.head_dim,
-                         jnp.dtype(dtype or mc.dtype))
+                         jnp.dtype(kv_pool_dtype(name, mc.dtype)))
     return KVCache(pool, tables, jnp.zeros(num_seqs, jnp.int32))
 
 
@@ -207,12 +209,14 @@ def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, to
 
 def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: Int[Array, "B"], key, *,
              max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
-             eos_id: int | Sequence[int] | None = None, block_size: int = 16) -> Int[Array, "B N"]:
+             eos_id: int | Sequence[int] | None = None, block_size: int = 16,
+             kv_cache_dtype: str | None = None) -> Int[Array, "B N"]:
     """`max_new_tokens` tokens after each row's prompt (right-padded `tokens`, `lengths[b]` real ones).
 
     One compiled program: a prefill, then a `lax.while_loop` of decode steps that exits once every row
     has drawn an `eos_id` (one id or several; None: never ends early). After its end a row is padded
-    with the (first) eos id. Sampling as `sample`; step i draws with `fold_in(key, i)`.
+    with the (first) eos id. Sampling as `sample`; step i draws with `fold_in(key, i)`. The cache is made
+    inside (`init_cache` with `block_size` and `kv_cache_dtype`).
     """
     eos = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
     if max_new_tokens <= 0:
@@ -224,14 +228,14 @@ def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: I
         if lens.min() < 1 or lens.max() > jnp.shape(tokens)[1]:
             raise ValueError(f"lengths must be in [1, P={jnp.shape(tokens)[1]}], got {lens.tolist()}")
     return _generate(config, params, tokens, lengths, key, temperature, top_k, top_p,
-                     max_new_tokens=max_new_tokens, eos=eos, block_size=block_size)
+                     max_new_tokens=max_new_tokens, eos=eos, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "eos", "block_size"))
+@partial(jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "eos", "block_size", "kv_cache_dtype"))
 def _generate(config: Config, params, tokens, lengths, key, temperature, top_k, top_p, *, max_new_tokens: int,
-              eos: tuple[int, ...], block_size: int):
+              eos: tuple[int, ...], block_size: int, kv_cache_dtype: str | None):
     b, p = tokens.shape
-    cache = init_cache(config, num_seqs=b, max_len=p + max_new_tokens, block_size=block_size)
+    cache = init_cache(config, num_seqs=b, max_len=p + max_new_tokens, block_size=block_size, dtype=kv_cache_dtype)
     eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
     pad = eos[0] if eos else 0
     draw = lambda logits, i: sample(config, logits, jax.random.fold_in(key, i), temperature, top_k, top_p)  # noqa: E731

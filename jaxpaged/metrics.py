@@ -90,6 +90,12 @@ class EngineMetrics:
         self._running = self._waiting = 0
         self._kv_usage = 0.0
 
+    def set_cache_info(self, *, block_size: int, num_blocks: int, dtype: str) -> None:
+        """The KV pool's geometry as an info gauge (vLLM's cache_config_info): value 1, facts in the labels."""
+        info = Gauge("jaxpaged:cache_config_info", "Information of the KV cache.",
+                     ["block_size", "num_gpu_blocks", "cache_dtype"], registry=self.registry)
+        info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks), cache_dtype=dtype).set(1)
+
     def observe_step(self, *, prompt_tokens: int, generation_tokens: int, preemptions: int, running: int,
                      waiting: int, kv_usage: float, prefix_queries_total: int, prefix_hits_total: int) -> None:
         """Record one engine step (prefix-cache figures are the cache manager's running totals)."""

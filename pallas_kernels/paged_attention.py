@@ -28,8 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_storage import STORAGE, decode
+
 
 _MASKED = -1e30
+# The pool may hold a narrower dtype than q (read up to q's dtype): bf16/f16 or fp8 KV on any model, stored as
+# integers (kv_storage) or as plain floats.
+KV_POOL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, *STORAGE.values())
 
 
 def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, kv_chunk: int | None = None) -> None:
@@ -44,8 +49,9 @@ def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, k
         raise ValueError(f"head_dim mismatch: q has {d}, kv_pool has {dk}")
     if h % kh:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kh})")
-    if q.dtype != kv_pool.dtype:
-        raise ValueError(f"dtype mismatch: q is {q.dtype}, kv_pool is {kv_pool.dtype}")
+    if kv_pool.dtype not in KV_POOL_DTYPES:
+        raise ValueError(f"kv_pool must be one of {', '.join(str(jnp.dtype(d)) for d in KV_POOL_DTYPES)}, "
+                         f"got {kv_pool.dtype}")
     if token_seq.shape != (t,) or positions.shape != (t,):
         raise ValueError(f"token_seq and positions must be [T={t}], got {token_seq.shape}, {positions.shape}")
     if block_tables.ndim != 2:
@@ -54,7 +60,7 @@ def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, k
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {a.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q and kv_pool must be float32, bfloat16 or float16, got {q.dtype}")
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
     if not isinstance(positions, jax.core.Tracer) and positions.size:  # a value check where values are known
         span = block_tables.shape[1] * block_size
         if int(jnp.max(positions)) >= span:
@@ -92,8 +98,8 @@ def reference_ragged_paged_attention(
     def body(c, carry):
         m, l, acc = carry  # [T, KH, G], [T, KH, G], [T, KH, G, D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, axis=1)
-        k = kv_pool[layer, 0, ids].reshape(t, kv_chunk, kh, d).astype(jnp.float32)  # [T, C, KH, D]
-        v = kv_pool[layer, 1, ids].reshape(t, kv_chunk, kh, d).astype(jnp.float32)
+        k = decode(kv_pool[layer, 0, ids]).reshape(t, kv_chunk, kh, d)  # [T, C, KH, D] float32
+        v = decode(kv_pool[layer, 1, ids]).reshape(t, kv_chunk, kh, d)
         s = jnp.einsum("tkgd,tckd->tkgc", qg, k)  # [T, KH, G, C]
         key_pos = c * kv_chunk + jnp.arange(kv_chunk)
         visible = key_pos[None, :] <= positions[:, None]  # [T, C]
@@ -169,8 +175,8 @@ def _ragged_paged_attention_kernel(
         def body(b, carry):
             m, l, acc = carry  # [M], [M], [M, D]
             blk = tables_ref[seq, b]
-            k = pool_ref[layer, 0, blk, :, head, :]  # [bs, D]
-            v = pool_ref[layer, 1, blk, :, head, :]
+            k = decode(pool_ref[layer, 0, blk, :, head, :], q.dtype)  # [bs, D]
+            v = decode(pool_ref[layer, 1, blk, :, head, :], q.dtype)
             s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [M, bs]
             key_pos = b * block_size + jax.lax.iota(jnp.int32, block_size)
             visible = key_pos[None, :] <= pos[:, None]

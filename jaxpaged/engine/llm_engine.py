@@ -90,6 +90,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.metrics = EngineMetrics()
+        cc = config.cache_config
+        self.metrics.set_cache_info(block_size=cc.block_size, num_blocks=cc.num_blocks, dtype=cc.dtype)
         self.output = OutputProcessor(tokenizer, self.metrics)
 
     # the core's parts, for tests and benchmarks
@@ -130,7 +132,7 @@ class LLMEngine:
                            "rejected", (blocks - 1) * args.block_size, sched.max_model_len)
         config = EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks,
+            cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=args.resolved_kv_dtype(),
                                      enable_prefix_caching=args.enable_prefix_caching,
                                      num_host_blocks=num_host_blocks(args, model_config, args.block_size)),
             scheduler_config=sched,

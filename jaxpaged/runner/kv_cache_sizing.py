@@ -22,7 +22,7 @@ def free_device_memory(param_bytes: int) -> int | None:
 
 def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, param_bytes: int) -> int:
     """Physical blocks for the pool (block 0, the null block, included), logged with where it came from."""
-    per_block = model_config.kv_bytes_per_token * block_size
+    per_block = model_config.kv_bytes_per_token_in(args.resolved_kv_dtype()) * block_size
     if args.num_kv_blocks is not None:
         n, source = args.num_kv_blocks, "num_kv_blocks"
     else:
@@ -37,8 +37,8 @@ def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, 
     if n < 2:
         raise ValueError(f"the KV cache budget ({source}) gives {n} blocks; at least 2 are needed")
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
-        n, block_size, (n - 1) * block_size, n * per_block / 2**30, source,
+        "KV cache: %d blocks x %d tokens = %d tokens, %s, %.2f GiB (%s)",
+        n, block_size, (n - 1) * block_size, args.resolved_kv_dtype(), n * per_block / 2**30, source,
     )
     return n
 
@@ -47,6 +47,6 @@ def num_host_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int
     """Host-memory blocks for swap preemption: swap_space GiB of them with preemption_mode=swap, else 0."""
     if args.preemption_mode != "swap":
         return 0
-    n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token * block_size)
+    n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token_in(args.resolved_kv_dtype()) * block_size)
     logger.info("Swap space: %d host blocks (%.2f GiB)", n, args.swap_space)
     return n

@@ -151,7 +151,7 @@ class ModelRunner:
             return
         self.graphdef, self.state = nnx.split(model)
         self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                     jnp.dtype(mc.dtype))
+                                     jnp.dtype(cc.dtype))
         self.row_state = RowState.zeros(self.num_rows, mc.vocab_size)
         self.last_token = jnp.zeros(self.num_rows, jnp.int32)
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))

@@ -58,6 +58,18 @@ def test_kernel_bfloat16():
     np.testing.assert_allclose(got, ref, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_kernel_reads_a_narrower_pool(kv_dtype):
+    """bf16 or fp8 KV (integer storage) under float32 queries: the kernel reads the same rounded values the
+    reference reads."""
+    from pallas_kernels.kv_storage import encode, storage_dtype
+
+    x = make_step(np.random.default_rng(11), CASES["mixed"], group=3, kh=2, d=16)
+    x["pool"] = encode(x["pool"], storage_dtype(kv_dtype))  # stored as the engine stores it: integers
+    got, ref = run_both(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_any_order_of_sequences_and_of_positions_within_one():
     x = make_step(np.random.default_rng(7), CASES["long prefill"], group=2, d=16)
     rng, seq = np.random.default_rng(8), np.asarray(x["token_seq"])
@@ -74,8 +86,8 @@ def test_bad_arguments_name_the_problem():
     args = (x["q"], x["pool"], LAYER, x["tables"], x["token_seq"], x["positions"])
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ragged_paged_attention(x["q"][:, :3], *args[1:], sm_scale=1.0)
-    with pytest.raises(ValueError, match="dtype mismatch"):
-        ragged_paged_attention(x["q"].astype(jnp.bfloat16), *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="kv_pool must be one of"):
+        ragged_paged_attention(x["q"], x["pool"].astype(jnp.int32), *args[2:], sm_scale=1.0)
     with pytest.raises(ValueError, match="one contiguous run"):
         ragged_paged_attention(*args[:4], jnp.array([0, 1, 0, -1, -1], jnp.int32), x["positions"], sm_scale=1.0)
     with pytest.raises(ValueError, match="too short for position"):
@@ -87,11 +99,12 @@ def test_bad_arguments_name_the_problem():
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (32, 8, 128)])  # SmolLM2-135M, Llama-3-8B
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                            (jnp.bfloat16, jnp.uint8), (jnp.float32, jnp.uint16)])  # fp8 / bf16 KV
+def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
     spec = jax.ShapeDtypeStruct
     t, s, table_width = 512, 64, 128
-    args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), dtype), spec((), jnp.int32),
+    args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), kv_dtype), spec((), jnp.int32),
             spec((s, table_width), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
     f = lambda *a: ragged_paged_attention(*a, sm_scale=d ** -0.5)  # noqa: E731
     text = lower_for_cuda(f, *args)

@@ -1,0 +1,81 @@
+"""kv_cache_dtype: a narrower KV pool (bf16, fp16, fp8) than the model, in the engine and the functional API."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged import functional as F
+from pallas_kernels.kv_storage import decode, logical_dtype
+from tests.engine.test_engine_schedules import NEW_TOKENS, prompts
+
+POOL = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8_e4m3": "float8_e4m3fn",
+        "fp8_e5m2": "float8_e5m2"}
+
+
+def greedy(llm) -> list[list[int]]:
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def functional_greedy(path, kv_cache_dtype) -> list[list[int]]:
+    config, params = F.load(path)
+    ps = prompts()
+    tokens = np.zeros((len(ps), max(map(len, ps))), np.int32)
+    for i, p in enumerate(ps):
+        tokens[i, : len(p)] = p
+    out = F.generate(config, params, jnp.asarray(tokens), jnp.asarray([len(p) for p in ps]), jax.random.key(0),
+                     max_new_tokens=NEW_TOKENS, kv_cache_dtype=kv_cache_dtype)
+    return np.asarray(out).tolist()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_pool_dtype_memory_and_outputs(tiny_model_dir, kv_cache_dtype):
+    """The pool has the asked dtype, the same memory holds 2x (bf16) or 4x (fp8) the float32 blocks, the
+    metrics say so, and the engine's greedy tokens equal the functional API's on the same KV dtype (both
+    round K/V the same way when they write them)."""
+    path = tiny_model_dir("llama")
+    kw = dict(kv_cache_memory="2MiB", max_num_batched_tokens=128, compile_guard=True)
+    base = LLM(path, **kw).engine.config.cache_config.num_blocks
+    llm = LLM(path, kv_cache_dtype=kv_cache_dtype, **kw)
+    assert str(logical_dtype(llm.engine.runner.kv_pool.dtype)) == POOL[kv_cache_dtype]
+    blocks = llm.engine.config.cache_config.num_blocks
+    assert blocks == base * (4 // jnp.dtype(POOL[kv_cache_dtype]).itemsize)
+    text = llm.engine.metrics.render().decode()
+    assert f'cache_dtype="{POOL[kv_cache_dtype]}"' in text and f'num_gpu_blocks="{blocks}"' in text
+    assert greedy(llm) == functional_greedy(path, kv_cache_dtype)
+
+
+def test_swapped_narrow_blocks_come_back_exactly(tiny_model_dir):
+    """Swap preemption moves bf16 blocks to host memory and back bit for bit: outputs equal a run with room."""
+    path = tiny_model_dir("llama")
+    roomy = greedy(LLM(path, kv_cache_dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64))
+    llm = LLM(path, kv_cache_dtype="bfloat16", num_kv_blocks=13, max_num_batched_tokens=64, preemption_mode="swap",
+              swap_space=1e-3, compile_guard=True)
+    assert greedy(llm) == roomy
+    assert llm.engine.scheduler.num_swaps > 0
+
+
+@pytest.mark.parametrize("dtype,big", [(jnp.float8_e4m3fn, 448.0), (jnp.float16, 65504.0),
+                                       (jnp.bfloat16, 999424.0)])  # (1e6 in bf16: in range, rounded)
+def test_narrow_writes_round_and_saturate(dtype, big):
+    """Stored as integers of their width, read back as the rounded value; past the range: the largest finite
+    value (fp8 e4m3 has no infinity), never NaN."""
+    from jaxpaged.attention import empty_kv_pool, write_kv
+
+    pool = empty_kv_pool(1, 2, 16, 1, 4, dtype)
+    assert pool.dtype.kind in "ui" and pool.dtype.itemsize == jnp.dtype(dtype).itemsize
+    k = jnp.asarray([[[1e6, 1.3, -2.7, 0.1]]], jnp.float32)
+    pool = write_kv(pool, jnp.int32(0), k, -k, jnp.asarray([16], jnp.int32))
+    got_k, got_v = decode(pool[0, 0, 1, 0, 0]), decode(pool[0, 1, 1, 0, 0])
+    want = jnp.clip(k[0, 0], -big, big).astype(dtype).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_v), -np.asarray(want))
+    assert float(got_k[0]) == big
+
+
+def test_bad_kv_cache_dtype_is_refused_before_loading():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("no-such-model", kv_cache_dtype="int4")
