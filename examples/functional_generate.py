@@ -19,12 +19,8 @@ tokenizer = F.load_tokenizer()
 
 questions = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?"]
 prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=True) for q in questions]
-prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)  # right-padded [B, P]
-for i, p in enumerate(prompts):
-    tokens[i, : len(p)] = p
-tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+                                         return_dict=True)["input_ids"] for q in questions]
+tokens, lengths = F.pad_batch(prompts)  # right-padded int32 [B, P], and lengths [B]
 
 # --- 2. generate: prefill + a lax.while_loop of decode steps, one call -------------------------------
 out = F.generate(config, params, tokens, lengths, jax.random.key(0), max_new_tokens=48,

@@ -23,11 +23,6 @@ ROW_GROUP = 16  # decode rows per group in part B, at least (16: ~10% faster dec
 MAX_ROW_GROUPS = 8  # and at most this many groups: 256 rows in groups of 32 (9% faster than 16 on a tiny model)
 
 
-def read_blocks(kv_pool, layer, which: int, ids) -> jax.Array:
-    """kv_pool[layer, which, ids] in float32, whatever the pool's KV dtype."""
-    return decode(kv_pool[layer, which, ids])
-
-
 def _merge(a, b):
     """Combine two partial softmax states (m, l, acc) over disjoint key sets."""
     (ma, la, acca), (mb, lb, accb) = a, b
@@ -102,8 +97,8 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
 
         def chunk_body(c, carry):
             ids = jax.lax.dynamic_slice_in_dim(tab, c * bpc, bpc, axis=1)
-            k = read_blocks(kv_pool, layer, 0, ids).reshape(gs, kv_chunk, kh, d)  # [gs, C, KH, D]
-            v = read_blocks(kv_pool, layer, 1, ids).reshape(gs, kv_chunk, kh, d)
+            k = decode(kv_pool[layer, 0, ids]).reshape(gs, kv_chunk, kh, d)  # [gs, C, KH, D]
+            v = decode(kv_pool[layer, 1, ids]).reshape(gs, kv_chunk, kh, d)
             key_pos = c * kv_chunk + jnp.arange(kv_chunk)
             visible = (key_pos[None, :] < ctx[:, None]) & _window_mask(key_pos, pos, sliding_window)
             s = jnp.einsum("tkgd,tckd->tkgc", q, k)
@@ -147,8 +142,8 @@ def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, s
 
             def chunk_body(c, carry):
                 ids = jax.lax.dynamic_slice_in_dim(table, c * bpc, bpc)
-                k = read_blocks(kv_pool, layer, 0, ids).reshape(kv_chunk, kh, d)  # [C, KH, D]
-                v = read_blocks(kv_pool, layer, 1, ids).reshape(kv_chunk, kh, d)
+                k = decode(kv_pool[layer, 0, ids]).reshape(kv_chunk, kh, d)  # [C, KH, D]
+                v = decode(kv_pool[layer, 1, ids]).reshape(kv_chunk, kh, d)
                 key_pos = c * kv_chunk + jnp.arange(kv_chunk)
                 visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, pos, sliding_window)
                 s = jnp.einsum("tkgd,ckd->tkgc", q, k)

@@ -47,12 +47,7 @@ class ModelConfig:
         return hash(tuple(tuple(sorted((self.rope_scaling or {}).items())) if f.name == "rope_scaling"
                           else getattr(self, f.name) for f in dataclasses.fields(self)))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, over all layers, that one token occupies in a pool of the model's dtype."""
-        return self.kv_bytes_per_token_in(self.dtype)
-
-    def kv_bytes_per_token_in(self, kv_dtype) -> int:
+    def kv_bytes_per_token(self, kv_dtype) -> int:
         """Bytes of K and V, over all layers, that one token occupies in a pool of `kv_dtype`."""
         itemsize = jax.numpy.dtype(kv_dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
@@ -115,9 +110,8 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
-_KV_POOL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "fp8_e4m3": "float8_e4m3fn",
-                   "fp8_e5m2": "float8_e5m2", "fp8": "float8_e4m3fn"}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -128,9 +122,9 @@ def kv_pool_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype in _KV_POOL_DTYPES:
-        return _KV_POOL_DTYPES[kv_cache_dtype]
-    if kv_cache_dtype in ("float32", *_KV_POOL_DTYPES.values()):
+    if kv_cache_dtype in _FP8:
+        return _FP8[kv_cache_dtype]
+    if kv_cache_dtype in ("float32", "bfloat16", "float16", *_FP8.values()):
         return kv_cache_dtype
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
 

@@ -26,11 +26,12 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import empty_kv_pool
-from jaxpaged.config import ModelConfig, kv_pool_dtype, platform_is_gpu, resolve_kernel_backend
+from jaxpaged.config import DTYPES, KERNEL_BACKENDS, ModelConfig, kv_pool_dtype, platform_is_gpu, resolve_kernel_backend
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
 
-__all__ = ["Config", "KVCache", "load", "load_tokenizer", "init_cache", "prefill", "decode", "sample", "generate"]
+__all__ = ["Config", "KVCache", "load", "load_tokenizer", "pad_batch", "init_cache", "prefill", "decode", "sample",
+           "generate"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,11 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     from jaxpaged.models.registry import default_model_path, load_hf_config, load_weights, model_config_from_hf
 
     dtype = dtype or ("bfloat16" if platform_is_gpu() else "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if dtype not in DTYPES[1:]:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
     for name, value in (("attention_backend", attention_backend), ("sampler_backend", sampler_backend)):
-        if value not in ("auto", "pallas", "reference"):
-            raise ValueError(f"{name} must be auto, pallas or reference, got {value!r}")
+        if value not in KERNEL_BACKENDS:
+            raise ValueError(f"{name} must be one of {', '.join(KERNEL_BACKENDS)}, got {value!r}")
     path = model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), dtype)
     params = model_params(model_config, load_weights(model_config, load_format))
@@ -92,6 +93,16 @@ def load_tokenizer(model: str | None = None):
     from jaxpaged.models.registry import default_model_path, load_tokenizer as _load
 
     return _load(model or default_model_path())
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Int[Array, "B P"], Int[Array, "B"]]:
+    """Token-id prompts as the right-padded `tokens` [B, P] and `lengths` [B] that prefill and generate take."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    tokens = np.full((len(prompts), max(map(len, prompts))), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
 def _kv_chunk(block_size: int) -> int:
@@ -129,10 +140,9 @@ def _slots(cache: KVCache, rows: Int[Array, "T"], positions: Int[Array, "T"], va
     return jnp.where(valid & (blk > 0), blk * bs + positions % bs, n * bs)
 
 
-def _step(config: Config, params: dict, cache: KVCache, token_ids, meta: AttentionMetadata):
-    hidden, pool = forward(config.model, params, token_ids, cache.pool, meta,
-                           attention_backend=config.attention_backend, kv_chunk=_kv_chunk(cache.block_size))
-    return hidden, pool
+def _forward(config: Config, params: dict, cache: KVCache, token_ids, meta: AttentionMetadata):
+    return forward(config.model, params, token_ids, cache.pool, meta, attention_backend=config.attention_backend,
+                   kv_chunk=_kv_chunk(cache.block_size))
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -161,7 +171,7 @@ def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B 
         block_tables=cache.block_tables,
         max_query_len=p,
     )
-    hidden, pool = _step(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
+    hidden, pool = _forward(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
     last = jnp.arange(b) * p + jnp.maximum(lengths - 1, 0)
     logits = jnp.where((lengths > 0)[:, None], compute_logits(params, hidden[last]), 0.0)
     return logits, KVCache(pool, cache.block_tables, ctx + lengths.astype(jnp.int32))
@@ -184,7 +194,7 @@ def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
         block_tables=cache.block_tables,
         max_query_len=1,
     )
-    hidden, pool = _step(config, params, cache, tokens.astype(jnp.int32), meta)
+    hidden, pool = _forward(config, params, cache, tokens.astype(jnp.int32), meta)
     return compute_logits(params, hidden), KVCache(pool, cache.block_tables, ctx + 1)
 
 

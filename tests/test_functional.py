@@ -11,7 +11,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged import functional as F
 from jaxpaged.runner.model_runner import CompileGuard
-from tests.reference import hf_greedy
+from tests.reference import chat_prompt_ids, hf_greedy
 from tests.tiny_models import load_hf_model
 
 PROMPT_LENS = [1, 5, 17, 40, 33, 64]
@@ -22,10 +22,7 @@ def batch(seed: int = 0, lens=PROMPT_LENS):
     """Prompts of different lengths as right-padded tokens [B, P] and lengths [B]."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in lens]
-    tokens = np.zeros((len(lens), max(lens)), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    return prompts, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32)
+    return prompts, *F.pad_batch(prompts)
 
 
 @pytest.fixture(scope="module")
@@ -55,25 +52,15 @@ def test_greedy_generate_matches_llm_generate(llama):
     assert [o.outputs[0].token_ids for o in outs] == out.tolist()
 
 
-def test_smollm2_matches_llm_generate():
-    from jaxpaged.models import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_smollm2_matches_llm_generate(smollm2_path):
+    path = smollm2_path
     config, params = F.load(path)
     tok = F.load_tokenizer(path)
     questions = ["What is the capital of France?", "List three prime numbers.", "Write a haiku about the sea."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
-    prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p) for p in prompts]
-    tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
+    prompts = [chat_prompt_ids(tok, q) for q in questions]
+    tokens, lengths = F.pad_batch(prompts)
     eos = config.eos_token_ids
-    out = np.asarray(F.generate(config, params, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts]),
-                                jax.random.key(0), max_new_tokens=32, eos_id=eos))
+    out = np.asarray(F.generate(config, params, tokens, lengths, jax.random.key(0), max_new_tokens=32, eos_id=eos))
     llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=128, max_model_len=512)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for row, o in zip(out.tolist(), outs):
@@ -216,6 +203,8 @@ def test_bad_arguments_raise_before_work(llama):
         F.init_cache(config, num_seqs=2, max_len=64, block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         F.load("unused", dtype="float64")
+    with pytest.raises(ValueError, match="non-empty"):
+        F.pad_batch([[1, 2], []])
 
 
 def test_bench_functional_compares_with_the_engine(tiny_model_dir, tmp_path, capsys):

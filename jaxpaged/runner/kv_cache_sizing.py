@@ -22,7 +22,7 @@ def free_device_memory(param_bytes: int) -> int | None:
 
 def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, param_bytes: int) -> int:
     """Physical blocks for the pool (block 0, the null block, included), logged with where it came from."""
-    per_block = model_config.kv_bytes_per_token_in(args.resolved_kv_dtype()) * block_size
+    per_block = model_config.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size
     if args.num_kv_blocks is not None:
         n, source = args.num_kv_blocks, "num_kv_blocks"
     else:
@@ -47,6 +47,6 @@ def num_host_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int
     """Host-memory blocks for swap preemption: swap_space GiB of them with preemption_mode=swap, else 0."""
     if args.preemption_mode != "swap":
         return 0
-    n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token_in(args.resolved_kv_dtype()) * block_size)
+    n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size)
     logger.info("Swap space: %d host blocks (%.2f GiB)", n, args.swap_space)
     return n

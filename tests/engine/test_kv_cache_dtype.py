@@ -22,12 +22,8 @@ def greedy(llm) -> list[list[int]]:
 
 def functional_greedy(path, kv_cache_dtype) -> list[list[int]]:
     config, params = F.load(path)
-    ps = prompts()
-    tokens = np.zeros((len(ps), max(map(len, ps))), np.int32)
-    for i, p in enumerate(ps):
-        tokens[i, : len(p)] = p
-    out = F.generate(config, params, jnp.asarray(tokens), jnp.asarray([len(p) for p in ps]), jax.random.key(0),
-                     max_new_tokens=NEW_TOKENS, kv_cache_dtype=kv_cache_dtype)
+    out = F.generate(config, params, *F.pad_batch(prompts()), jax.random.key(0), max_new_tokens=NEW_TOKENS,
+                     kv_cache_dtype=kv_cache_dtype)
     return np.asarray(out).tolist()
 
 
@@ -74,6 +70,13 @@ def test_narrow_writes_round_and_saturate(dtype, big):
     np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got_v), -np.asarray(want))
     assert float(got_k[0]) == big
+
+
+def test_vllm_fp8_alias_is_e4m3():
+    from jaxpaged.config import kv_pool_dtype
+
+    assert kv_pool_dtype("fp8", "float32") == kv_pool_dtype("fp8_e4m3", "float32") == "float8_e4m3fn"
+    assert kv_pool_dtype("auto", "bfloat16") == "bfloat16"
 
 
 def test_bad_kv_cache_dtype_is_refused_before_loading():

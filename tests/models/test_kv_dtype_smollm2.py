@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import functional as F
+from tests.reference import chat_prompt_ids
 
 TOPICS = ["the sea", "volcanoes", "bread", "chess", "the moon", "bees", "rivers", "jazz", "glass", "trains",
           "coffee", "snow", "maps", "owls", "clocks", "paper", "rain", "tigers", "bridges", "salt", "kites",
@@ -27,22 +28,10 @@ FLOORS = {"bfloat16": (0.90, 0.01), "fp8_e4m3": (0.25, 0.1)}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    from jaxpaged.models import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    config, params = F.load(path)
-    tok = F.load_tokenizer(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in QUESTIONS]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+def runs(smollm2_path):
+    config, params = F.load(smollm2_path)
+    tok = F.load_tokenizer(smollm2_path)
+    tokens, lengths = F.pad_batch([chat_prompt_ids(tok, q) for q in QUESTIONS])
 
     @partial(jax.jit, static_argnames="kv")
     def greedy_with_logprobs(params, tokens, lengths, kv):

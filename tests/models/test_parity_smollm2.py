@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import default_model_path
-from tests.reference import hf_greedy, hf_last_logits, our_last_logits
+from tests.reference import chat_prompt_ids, hf_greedy, hf_last_logits, our_last_logits
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -18,11 +17,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smollm2(smollm2_path):
+    path = smollm2_path
     llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=128, max_model_len=512, compile_guard=True)
     return path, llm
 
@@ -38,8 +34,7 @@ def hf_smollm2(smollm2):
 
 
 def chat_ids(llm, question):
-    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}],
-                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+    return chat_prompt_ids(llm.get_tokenizer(), question)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
