@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention_xla import split_ragged_paged_attention
+from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from pallas_kernels.kv_storage import encode, storage_dtype
 from pallas_kernels.paged_attention import ragged_paged_attention
 
@@ -53,14 +54,18 @@ def paged_attention(
     the first rows, longest context first (the runner lays steps out that way); tests hold it equal to
     `pallas_kernels.paged_attention.reference_ragged_paged_attention`. "pallas": the Triton kernel,
     reading the new tokens' K/V from the pool (written just before); "pallas-interpret": the same
-    kernel through the Pallas interpreter (CPU tests). `max_query_len` (static, optional): no sequence
+    kernel through the Pallas interpreter (CPU tests); "cpu": the C++ kernel for CPUs, reading the pool
+    as the Pallas kernel does. `max_query_len` (static, optional): no sequence
     has more new tokens than this; the reference path then reads fewer new keys per token.
     """
     if backend in ("pallas", "pallas-interpret"):
         return ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
                                       sliding_window=sliding_window, interpret=backend == "pallas-interpret")
+    if backend == "cpu":
+        return ragged_paged_attention_cpu(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
+                                          sliding_window=sliding_window)
     if backend != "reference":
-        raise ValueError(f"attention backend {backend!r} is not one of reference, pallas, pallas-interpret")
+        raise ValueError(f"attention backend {backend!r} is not one of reference, pallas, pallas-interpret, cpu")
     return split_ragged_paged_attention(
         q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, decode_context_lens,
         seq_context_lens, continuation_rows, sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,

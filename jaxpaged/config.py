@@ -90,8 +90,8 @@ class EngineConfig:
     compile_guard: bool = False  # raise if the jitted step compiles after warmup
     attention_chunk: int = 32  # context tokens per iteration of the XLA attention's decode loop
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties and biases)
-    attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
-    sampler_backend: str = "reference"  # resolved, as attention_backend
+    attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret", "cpu" or "reference"
+    sampler_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
 
@@ -133,7 +133,8 @@ def platform_is_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-KERNEL_BACKENDS = ("auto", "pallas", "reference")
+KERNEL_BACKENDS = ("auto", "pallas", "reference")  # the sampler's
+ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")
 
 
 def resolve_kernel_backend(name: str) -> str:
@@ -143,6 +144,22 @@ def resolve_kernel_backend(name: str) -> str:
     if name == "pallas" and not platform_is_gpu():
         return "pallas-interpret"
     return name
+
+
+def resolve_attention_backend(name: str) -> str:
+    """auto: the Pallas kernel on GPU; on CPU the C++ kernel (`pallas_kernels.cpu_attention`) where this machine
+    can build it, else the plain-JAX path. "cpu" asks for the C++ kernel and fails if it cannot be had."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "cpu" or (name == "auto" and jax.default_backend() == "cpu"):
+        from pallas_kernels import cpu_attention
+
+        if jax.default_backend() == "cpu" and cpu_attention.available():
+            return "cpu"
+        if name == "cpu":
+            raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the kernel "
+                             "(see the log); use 'auto' or 'reference'")
+    return resolve_kernel_backend(name)
 
 
 def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -187,8 +204,9 @@ class EngineArgs:
     compile_guard: bool = _flag(False, "raise if a step compiles after warmup (tests use it)")
     logprobs_mode: str = _flag("raw_logprobs", "logprobs of the raw model output, or after penalties and biases",
                                LOGPROBS_MODES)
-    attention_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; "
-                                           "pallas off GPU runs the (slow) interpreter", KERNEL_BACKENDS)
+    attention_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the C++ kernel on CPU (built once with "
+                                           "the system compiler; the plain-JAX path without one); pallas off GPU "
+                                           "runs the (slow) interpreter", ATTENTION_BACKENDS)
     sampler_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; "
                                          "pallas off GPU runs the (slow) interpreter", KERNEL_BACKENDS)
     # n > 1 samples fork from one prefilled prompt and beams fork from their parent, sharing blocks with

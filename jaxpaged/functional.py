@@ -26,7 +26,15 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import empty_kv_pool
-from jaxpaged.config import DTYPES, KERNEL_BACKENDS, ModelConfig, kv_pool_dtype, platform_is_gpu, resolve_kernel_backend
+from jaxpaged.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    ModelConfig,
+    kv_pool_dtype,
+    platform_is_gpu,
+    resolve_attention_backend,
+    resolve_kernel_backend,
+)
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
 
@@ -39,7 +47,7 @@ class Config:
     """Everything static about a model: its shapes and which kernels run it. Hashable (a static argument)."""
 
     model: ModelConfig
-    attention_backend: str = "reference"  # "pallas", "pallas-interpret" or "reference" (resolved)
+    attention_backend: str = "reference"  # "pallas", "pallas-interpret", "cpu" or "reference" (resolved)
     sampler_backend: str = "reference"
 
     @property
@@ -66,31 +74,36 @@ class KVCache:
 
 
 def load(model: str | None = None, *, dtype: str | None = None, load_format: str = "auto",
-         attention_backend: str = "auto", sampler_backend: str = "auto") -> tuple[Config, dict]:
+         attention_backend: str = "auto", sampler_backend: str = "auto", per_layer: bool | None = None
+         ) -> tuple[Config, dict]:
     """(config, params) from an HF folder, a .gguf file, or (None) the default SmolLM2 model.
 
     dtype: "float32", "bfloat16" or "float16"; default bfloat16 on GPU, float32 elsewhere. load_format
-    "dummy": random weights from the config alone. Backends "auto": the Pallas kernels on GPU, the
-    plain-JAX paths elsewhere. params is a dict of jax arrays (stacked layer weights under "layers").
+    "dummy": random weights from the config alone. Backends "auto": the Pallas kernels on GPU; on CPU
+    the C++ attention kernel (plain JAX without a compiler) and the plain-JAX sampler. params is a dict of
+    jax arrays; its "layers" a list of one dict per layer (per_layer, the default on CPU, where it runs
+    faster) or one dict of arrays stacked on a leading [L] axis (run under `lax.scan`; the default on GPU).
     """
     from jaxpaged.models.registry import default_model_path, load_hf_config, load_weights, model_config_from_hf
 
     dtype = dtype or ("bfloat16" if platform_is_gpu() else "float32")
     if dtype not in DTYPES[1:]:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {dtype!r}")
-    for name, value in (("attention_backend", attention_backend), ("sampler_backend", sampler_backend)):
-        if value not in KERNEL_BACKENDS:
-            raise ValueError(f"{name} must be one of {', '.join(KERNEL_BACKENDS)}, got {value!r}")
+    if sampler_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"sampler_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {sampler_backend!r}")
+    attention_backend = resolve_attention_backend(attention_backend)  # a bad name raises here, before loading
     path = model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), dtype)
-    params = model_params(model_config, load_weights(model_config, load_format))
-    return Config(model_config, resolve_kernel_backend(attention_backend),
-                  resolve_kernel_backend(sampler_backend)), params
+    if per_layer is None:
+        per_layer = jax.default_backend() == "cpu"
+    params = model_params(model_config, load_weights(model_config, load_format), per_layer=per_layer)
+    return Config(model_config, attention_backend, resolve_kernel_backend(sampler_backend)), params
 
 
 def load_tokenizer(model: str | None = None):
     """The transformers tokenizer (with its chat template) of `model`, as `load` reads it."""
-    from jaxpaged.models.registry import default_model_path, load_tokenizer as _load
+    from jaxpaged.models.registry import default_model_path
+    from jaxpaged.models.registry import load_tokenizer as _load
 
     return _load(model or default_model_path())
 

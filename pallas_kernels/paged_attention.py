@@ -63,9 +63,10 @@ def check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, k
         raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
     if not isinstance(positions, jax.core.Tracer) and positions.size:  # a value check where values are known
         span = block_tables.shape[1] * block_size
-        if int(jnp.max(positions)) >= span:
+        highest = int(np.max(np.asarray(positions)))  # numpy: no tracer even inside a jit that closes over it
+        if highest >= span:
             raise ValueError(f"block_tables has {block_tables.shape[1]} blocks per sequence ({span} tokens), "
-                             f"too short for position {int(jnp.max(positions))}")
+                             f"too short for position {highest}")
     if kv_chunk is not None and (kv_chunk % block_size or (block_tables.shape[1] * block_size) % kv_chunk):
         raise ValueError(
             f"kv_chunk ({kv_chunk}) must be a multiple of block_size ({block_size}) and divide the table "

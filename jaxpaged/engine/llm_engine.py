@@ -23,6 +23,7 @@ from jaxpaged.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    resolve_attention_backend,
     resolve_kernel_backend,
 )
 from jaxpaged.core.kv_cache_manager import cdiv
@@ -117,7 +118,7 @@ class LLMEngine:
         """
         path, model_config, tokenizer, sched = setup or prepare_model(args)
         t0 = time.perf_counter()
-        attention_backend = resolve_kernel_backend(args.attention_backend)
+        attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
         model, param_bytes = None, 0
         if not stub:

@@ -18,9 +18,11 @@ def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> F
     return weight * xf.astype(x.dtype)
 
 
-def gated_mlp(x: Float[Array, "T E"], w_gate, w_up, w_down) -> Float[Array, "T E"]:
-    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"]
+              ) -> Float[Array, "T E"]:
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul ([gate | up] columns)."""
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:

@@ -1,7 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in flax nnx, over a paged KV pool.
 
-Layer weights are stacked on a leading [L] axis and run under `lax.scan`, so compile time does
-not grow with depth. The KV pool is threaded functionally: in, updated in place, out.
+Layer weights come in one of two layouts. Stacked on a leading [L] axis and run under `lax.scan`, so compile
+time does not grow with depth (the GPU default). Or one dict per layer and a Python loop over them (the CPU
+default): XLA:CPU copies each layer's weights out of a stacked array before its dots can read them (~540 MB a
+step for SmolLM2-135M in float32, 17 ms of a 126 ms decode step), while separate arrays are read in place.
+q/k/v and gate/up are fused into one matmul each. The KV pool is threaded functionally: in, updated in
+place, out.
 """
 
 from __future__ import annotations
@@ -77,9 +81,10 @@ def forward(
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        q, k, v = y @ w["wq"], y @ w["wk"], y @ w["wv"]
+        qkv = y @ w["wqkv"]  # [T, (H + 2 KH) D]
         if cfg.qkv_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            qkv = qkv + w["bqkv"]
+        q, k, v = jnp.split(qkv, [h * d, (h + kh) * d], axis=-1)
         q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
         k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
         v = v.reshape(t, kh, d)
@@ -94,11 +99,17 @@ def forward(
         if cfg.o_bias:
             o = o + w["bo"]
         x = x + o
-        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate"], w["w_up"], w["w_down"])
+        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"])
         return (x, pool), None
 
-    xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+    if isinstance(params["layers"], (list, tuple)):  # one dict per layer: a Python loop, weights read in place
+        carry = (x, kv_pool)
+        for i, w in enumerate(params["layers"]):
+            carry, _ = layer(carry, (w, jnp.int32(i)))
+        x, kv_pool = carry
+    else:
+        xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_pool
 
 
@@ -108,8 +119,15 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"]) -> Float[Array, "S
     return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 
 
-def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict:
-    """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype."""
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool = False) -> dict:
+    """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
+
+    q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
+    "w_gate_up". per_layer=False: params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts.
+    """
     expected = param_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -118,43 +136,63 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict:
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
     dtype = jnp.dtype(cfg.dtype)
-    params: dict = {"layers": {}}
-    for name in expected:
-        if name.startswith("layers."):
-            params["layers"][name[len("layers."):]] = jnp.asarray(weights[name], dtype)
-        else:
-            params[name] = jnp.asarray(weights[name], dtype)
+    layers = {name[len("layers."):]: weights[name] for name in expected if name.startswith("layers.")}
+    for fused, parts in FUSED.items():
+        if all(p in layers for p in parts):
+            layers[fused] = np.concatenate([np.asarray(layers.pop(p)) for p in parts], axis=-1)
+    params: dict = {name: jnp.asarray(weights[name], dtype) for name in expected if not name.startswith("layers.")}
+    if per_layer:
+        params["layers"] = [{k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.num_layers)]
+    else:
+        params["layers"] = {k: jnp.asarray(v, dtype) for k, v in layers.items()}
     return params
 
 
+def stack_layers(params: dict) -> dict:
+    """The same tree with the layer weights stacked on a leading [L] axis (as `model_params(per_layer=False)`)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
+
+
 class LlamaLayers(nnx.Module):
-    """The stacked weights of all decoder layers."""
+    """Decoder layer weights: all layers stacked on a leading [L] axis, or one layer's."""
 
     def __init__(self, weights: dict[str, jax.Array]):
         for name, w in weights.items():
             setattr(self, name, nnx.Param(w))
 
-    def stacked(self) -> dict[str, jax.Array]:
+    def arrays(self) -> dict[str, jax.Array]:
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only Llama-family model over a paged KV pool: the engine's holder of `forward`'s params."""
+    """Decoder-only Llama-family model over a paged KV pool: the engine's holder of `forward`'s params.
+
+    per_layer: one weight dict per layer and a Python loop (default on CPU, where it is faster), else stacked
+    weights under `lax.scan` (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
-                 kv_chunk: int = 32):
-        params = model_params(cfg, weights)
+                 kv_chunk: int = 32, per_layer: bool | None = None):
+        if per_layer is None:
+            per_layer = jax.default_backend() == "cpu"
+        params = model_params(cfg, weights, per_layer=per_layer)
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.kv_chunk = kv_chunk
         self.embed = nnx.Param(params["embed"])
         self.final_norm = nnx.Param(params["final_norm"])
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
-        self.layers = LlamaLayers(params["layers"])
+        if per_layer:
+            self.layers = nnx.List([LlamaLayers(w) for w in params["layers"]])
+        else:
+            self.layers = LlamaLayers(params["layers"])
 
     def params(self) -> dict:
         """The parameter tree `forward` takes."""
-        out = {"embed": self.embed[...], "final_norm": self.final_norm[...], "layers": self.layers.stacked()}
+        layers = self.layers.arrays() if isinstance(self.layers, LlamaLayers) else [x.arrays() for x in self.layers]
+        out = {"embed": self.embed[...], "final_norm": self.final_norm[...], "layers": layers}
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head[...]
         return out

@@ -17,11 +17,13 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 256, size=n).tolist() for n in PROMPT_LENS]
 
 
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "stacked"])  # CPU and GPU weight layouts
 @pytest.mark.parametrize("arch", ARCHS)
-def test_last_position_logits_match_hf(arch, tiny_model_dir):
+def test_last_position_logits_match_hf(arch, tiny_model_dir, per_layer):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
-    model = build_model(model_config_from_hf(path, load_hf_config(path), "float32"))
+    model = build_model(model_config_from_hf(path, load_hf_config(path), "float32"), per_layer=per_layer)
+    assert isinstance(model.params()["layers"], list) == per_layer
     worst = 0.0
     for ids in prompts():
         ours, ref = our_last_logits(model, ids), hf_last_logits(hf, ids)
@@ -42,6 +44,18 @@ def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir, async_s
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32), f"{arch}: prompt of {len(ids)} tokens"
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_plain_jax_attention_matches_hf(arch, tiny_model_dir):
+    """The plain-JAX attention (what runs on a CPU without a C++ compiler): greedy tokens still equal HF's."""
+    path = tiny_model_dir(arch)
+    hf = load_hf_model(path)
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True, attention_backend="reference")
+    assert llm.engine.config.attention_backend == "reference"
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts(), outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 24), f"{arch}: prompt of {len(ids)} tokens"
 
 
 def test_pallas_backends_in_the_interpreter_match_hf(tiny_model_dir):

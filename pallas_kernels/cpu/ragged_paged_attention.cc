@@ -1,0 +1,450 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call: the meaning of
+// pallas_kernels.paged_attention (each token over keys 0..positions[t] of its sequence, read through
+// block_tables[token_seq[t]]), with the loops XLA:CPU cannot fuse written out.
+//
+// Work is cut into items of (a query tile, a KV head): a tile is up to kTileTokens consecutive tokens of one
+// sequence, so a decode row is a tile of one token and a prompt chunk reads each key once per tile. An item
+// walks its keys kKeyChunk at a time: the chunk's K (transposed) and V are widened to float32 into a small
+// buffer, scores for every (token, grouped query head) of the tile, an online softmax, and the weighted V
+// accumulated in float32. Items run on XLA's intra-op thread pool. Pools: float32, or a narrower float
+// stored as integers of its width (pallas_kernels.kv_storage): bf16 <- uint16, f16 <- int16,
+// f8e4m3fn <- uint8, f8e5m2 <- int8 (and the float types themselves).
+//
+// Shapes: q f32[T, H, D]; kv_pool [L, 2, N, bs, KH, D]; layer s32[]; block_tables s32[S, B];
+// token_seq s32[T] (-1: padding, output 0); positions s32[T]. Output f32[T, H, D].
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileTokens = 16;  // tokens of one sequence per work item
+constexpr int kKeyChunk = 16;    // keys per step of the online softmax
+constexpr float kMasked = -1e30f;
+
+// exp(x) for x <= 0 as a polynomial the compiler vectorizes (std::exp stays a scalar libm call): x = n ln2 + r,
+// |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7); below -87 it returns 0.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(xc * 1.44269504f);
+  const float r = xc - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 in two parts
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// ---- widening the stored KV values to float32 ----------------------------------------------------------
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float f8_to_f32(uint8_t v, int exp_bits, int man_bits, int bias, bool has_inf) {
+  const int sign = v >> 7, exp = (v >> man_bits) & ((1 << exp_bits) - 1), man = v & ((1 << man_bits) - 1);
+  const int max_exp = (1 << exp_bits) - 1;
+  float mag;
+  if (has_inf && exp == max_exp) {
+    mag = man ? NAN : INFINITY;
+  } else if (!has_inf && exp == max_exp && man == (1 << man_bits) - 1) {
+    mag = NAN;  // e4m3fn: S.1111.111 is the only NaN
+  } else if (exp == 0) {
+    mag = std::ldexp(static_cast<float>(man), 1 - bias - man_bits);
+  } else {
+    mag = std::ldexp(static_cast<float>(man + (1 << man_bits)), exp - bias - man_bits);
+  }
+  return sign ? -mag : mag;
+}
+
+struct F8Tables {
+  float e4m3[256], e5m2[256];
+  F8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3[i] = f8_to_f32(static_cast<uint8_t>(i), 4, 3, 7, false);
+      e5m2[i] = f8_to_f32(static_cast<uint8_t>(i), 5, 2, 15, true);
+    }
+  }
+};
+const F8Tables kF8;
+
+enum class Kv { kF32, kBF16, kF16, kE4M3, kE5M2 };
+
+template <Kv kind>
+struct Widen;
+template <>
+struct Widen<Kv::kF32> {
+  using T = float;
+  static float get(float x) { return x; }
+};
+template <>
+struct Widen<Kv::kBF16> {
+  using T = uint16_t;
+  static float get(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+template <>
+struct Widen<Kv::kF16> {
+  using T = uint16_t;
+  static float get(uint16_t x) { return f16_to_f32(x); }
+};
+template <>
+struct Widen<Kv::kE4M3> {
+  using T = uint8_t;
+  static float get(uint8_t x) { return kF8.e4m3[x]; }
+};
+template <>
+struct Widen<Kv::kE5M2> {
+  using T = uint8_t;
+  static float get(uint8_t x) { return kF8.e5m2[x]; }
+};
+
+// ---- one work item: a tile of tokens of one sequence, all heads ----------------------------------------
+
+struct Problem {
+  const float* q;          // [T, H, D]
+  const void* pool;        // [L, 2, N, bs, KH, D]
+  const int32_t* tables;   // [S, B]
+  const int32_t* positions;
+  float* out;              // [T, H, D]
+  int64_t num_blocks, block_size, kv_heads, head_dim, heads, table_width, layer;
+  float sm_scale;
+  int64_t sliding_window;  // 0: none
+};
+
+struct Tile {
+  int32_t first, count, seq;
+};
+
+// 16 floats: GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2 (two halves) or NEON.
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+
+inline float hsum(vf v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Scores s[r][j] = q[r] . k[j] for `rows` query vectors and kKeyChunk keys (k given per key, float32).
+// kNV > 0: head_dim = 16 kNV, in vectors. Few rows (decodes): a dot per (row, key). Many rows (prompt tiles):
+// K transposed once, then each row's 16 scores are one vector updated per d.
+template <int kNV>
+inline void scores(const float* q, int64_t rows, const float* const* k, int64_t d_dim, float* kt, float* s) {
+  if constexpr (kNV > 0) {
+    constexpr int kD = 16 * kNV;
+    if (rows <= 4) {
+      for (int64_t r = 0; r < rows; ++r) {
+        vf qr[kNV];
+        for (int v = 0; v < kNV; ++v) qr[v] = load(q + r * kD + 16 * v);
+        for (int j = 0; j < kKeyChunk; ++j) {
+          vf t = qr[0] * load(k[j]);
+          for (int v = 1; v < kNV; ++v) t += qr[v] * load(k[j] + 16 * v);
+          s[r * kKeyChunk + j] = hsum(t);
+        }
+      }
+      return;
+    }
+    for (int j = 0; j < kKeyChunk; ++j)
+      for (int d = 0; d < kD; ++d) kt[d * kKeyChunk + j] = k[j][d];
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * kD;
+      vf t0 = {}, t1 = {};  // two chains for the FMA latency
+      for (int d = 0; d < kD; d += 2) {
+        t0 += qr[d] * load(kt + d * kKeyChunk);
+        t1 += qr[d + 1] * load(kt + (d + 1) * kKeyChunk);
+      }
+      store(s + r * kKeyChunk, t0 + t1);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < kKeyChunk; ++j) {
+        float t = 0.f;
+        for (int64_t d = 0; d < d_dim; ++d) t += q[r * d_dim + d] * k[j][d];
+        s[r * kKeyChunk + j] = t;
+      }
+  }
+}
+
+// acc = acc * scale + sum_j w[j] * v[j] over n keys, the accumulator held in registers when head_dim = 16 kNV.
+template <int kNV>
+inline void accumulate(float* acc, int64_t d_dim, float scale, const float* w, const float* const* v, int n) {
+  if constexpr (kNV > 0) {
+    vf a[kNV];
+    for (int i = 0; i < kNV; ++i) a[i] = load(acc + 16 * i) * scale;
+    for (int j = 0; j < n; ++j) {
+      const float wj = w[j];
+      for (int i = 0; i < kNV; ++i) a[i] += wj * load(v[j] + 16 * i);
+    }
+    for (int i = 0; i < kNV; ++i) store(acc + 16 * i, a[i]);
+  } else {
+    for (int64_t d = 0; d < d_dim; ++d) acc[d] *= scale;
+    for (int j = 0; j < n; ++j)
+      for (int64_t d = 0; d < d_dim; ++d) acc[d] += w[j] * v[j][d];
+  }
+}
+
+template <Kv kind, int kNV>
+void run_item(const Problem& p, const Tile& tile) {
+  using Stored = typename Widen<kind>::T;
+  constexpr bool kWide = kind == Kv::kF32;
+  const int64_t dd = kNV > 0 ? 16 * kNV : p.head_dim;
+  const int64_t kvh = p.kv_heads, group = p.heads / kvh;
+  const int64_t rows = tile.count * group;  // query vectors per KV head: (token, grouped head)
+  const Stored* pool = static_cast<const Stored*>(p.pool);
+  const int64_t slot_stride = kvh * dd;  // one key's K or V, all heads
+  const int64_t block_stride = p.block_size * slot_stride;
+  const int64_t half = p.num_blocks * block_stride;  // K or V of one layer
+  const Stored* k_base = pool + (2 * p.layer) * half;
+  const Stored* v_base = k_base + half;
+  const int32_t* table = p.tables + static_cast<int64_t>(tile.seq) * p.table_width;
+
+  // Per KV head: its query rows (scaled), softmax state and accumulator. Row r of head h is token r / group,
+  // query head h * group + r % group.
+  std::vector<float> qs(kvh * rows * dd), acc(kvh * rows * dd, 0.f), m(kvh * rows, kMasked), l(kvh * rows, 0.f);
+  std::vector<int32_t> pos(rows);
+  for (int64_t h = 0; h < kvh; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = tile.first + r / group, qh = h * group + r % group;
+      const float* src = p.q + (t * p.heads + qh) * dd;
+      float* dst = &qs[(h * rows + r) * dd];
+      for (int64_t d = 0; d < dd; ++d) dst[d] = src[d] * p.sm_scale;
+    }
+  for (int64_t r = 0; r < rows; ++r) pos[r] = p.positions[tile.first + r / group];
+  int32_t first_pos = pos[0], last = pos[0];  // the tile's tokens may come in any order
+  for (int64_t r = 0; r < rows; ++r) {
+    first_pos = std::min(first_pos, pos[r]);
+    last = std::max(last, pos[r]);
+  }
+  int64_t start = 0;
+  if (p.sliding_window > 0) start = std::max<int64_t>(0, first_pos - p.sliding_window + 1);
+  start -= start % kKeyChunk;
+
+  std::vector<float> kt(dd * kKeyChunk), kbuf(kWide ? 0 : kKeyChunk * dd), vbuf(kWide ? 0 : kKeyChunk * dd);
+  std::vector<float> s(rows * kKeyChunk);
+  alignas(64) static thread_local float zeros[512];  // a key slot past the visible ones (its scores are masked)
+  std::vector<float> zero_row(dd > 512 ? dd : 0, 0.f);
+  const float* zero = dd > 512 ? zero_row.data() : zeros;
+  const Stored* slot_k[kKeyChunk];
+  const Stored* slot_v[kKeyChunk];
+  const float* kp[kKeyChunk];
+  const float* vp[kKeyChunk];
+
+  auto slot_offset = [&](int64_t key) {
+    const int64_t b = key / p.block_size;
+    int64_t phys = b < p.table_width ? table[b] : 0;
+    if (phys < 0 || phys >= p.num_blocks) phys = 0;
+    return phys * block_stride + (key % p.block_size) * slot_stride;
+  };
+  for (int64_t k0 = start; k0 <= last; k0 += kKeyChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, last + 1 - k0));
+    for (int j = 0; j < n; ++j) {
+      const int64_t off = slot_offset(k0 + j);
+      slot_k[j] = k_base + off;
+      slot_v[j] = v_base + off;
+    }
+    for (int64_t h = 0; h < kvh; ++h) {
+      for (int j = 0; j < kKeyChunk; ++j) {
+        if (j >= n) {
+          kp[j] = vp[j] = zero;
+        } else if constexpr (kWide) {
+          kp[j] = reinterpret_cast<const float*>(slot_k[j]) + h * dd;
+          vp[j] = reinterpret_cast<const float*>(slot_v[j]) + h * dd;
+        } else {
+          const Stored* ks = slot_k[j] + h * dd;
+          const Stored* vs = slot_v[j] + h * dd;
+          float* kw = &kbuf[j * dd];
+          float* vw = &vbuf[j * dd];
+          for (int64_t d = 0; d < dd; ++d) kw[d] = Widen<kind>::get(ks[d]);
+          for (int64_t d = 0; d < dd; ++d) vw[d] = Widen<kind>::get(vs[d]);
+          kp[j] = kw;
+          vp[j] = vw;
+        }
+      }
+      scores<kNV>(&qs[h * rows * dd], rows, kp, dd, kt.data(), s.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = &s[r * kKeyChunk];
+        const int64_t lo = p.sliding_window > 0 ? pos[r] - p.sliding_window + 1 : 0;
+        float chunk_max = kMasked;
+        for (int j = 0; j < kKeyChunk; ++j) {
+          const int64_t key = k0 + j;
+          const bool visible = j < n && key <= pos[r] && key >= lo;
+          sr[j] = visible ? sr[j] : kMasked;
+          chunk_max = std::max(chunk_max, sr[j]);
+        }
+        if (chunk_max <= kMasked) continue;  // nothing visible to this row in the chunk
+        float& mr = m[h * rows + r];
+        const float m_new = std::max(mr, chunk_max);
+        const float scale = exp_nonpositive(mr - m_new);
+        float sum = 0.f;
+        for (int j = 0; j < kKeyChunk; ++j) {
+          sr[j] = exp_nonpositive(sr[j] - m_new);  // masked keys: -1e30 - m_new underflows to 0
+          sum += sr[j];
+        }
+        l[h * rows + r] = l[h * rows + r] * scale + sum;
+        mr = m_new;
+        accumulate<kNV>(&acc[(h * rows + r) * dd], dd, scale, sr, vp, n);
+      }
+    }
+  }
+  for (int64_t h = 0; h < kvh; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = tile.first + r / group, qh = h * group + r % group;
+      float* dst = p.out + (t * p.heads + qh) * dd;
+      const float lr = l[h * rows + r];
+      const float inv = lr > 0.f ? 1.f / lr : 0.f;
+      const float* ar = &acc[(h * rows + r) * dd];
+      for (int64_t d = 0; d < dd; ++d) dst[d] = ar[d] * inv;
+    }
+}
+
+template <Kv kind>
+void run_item_dispatch(const Problem& p, const Tile& tile) {
+  switch (p.head_dim) {
+    case 64: return run_item<kind, 4>(p, tile);
+    case 80: return run_item<kind, 5>(p, tile);
+    case 96: return run_item<kind, 6>(p, tile);
+    case 128: return run_item<kind, 8>(p, tile);
+    case 256: return run_item<kind, 16>(p, tile);
+    default: return run_item<kind, 0>(p, tile);
+  }
+}
+
+using ItemFn = void (*)(const Problem&, const Tile&);
+
+// Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when all have run.
+// Helpers that start late find no work left; the caller never waits for a helper that has not claimed an item.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, fn]() {
+    int64_t i;
+    while ((i = state->next.fetch_add(1)) < n) {
+      fn(i);
+      if (state->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == n; });
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pool,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
+  const auto qd = q.dimensions(), pd = kv_pool.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q must be 3-D, kv_pool 6-D, block_tables 2-D");
+  }
+  Problem p;
+  p.q = q.typed_data();
+  p.pool = kv_pool.untyped_data();
+  p.tables = block_tables.typed_data();
+  p.positions = positions.typed_data();
+  p.out = out->typed_data();
+  const int64_t num_tokens = qd[0];
+  p.heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_blocks = pd[2];
+  p.block_size = pd[3];
+  p.kv_heads = pd[4];
+  p.table_width = td[1];
+  p.sm_scale = sm_scale;
+  p.sliding_window = sliding_window;
+  p.layer = layer.typed_data()[0];
+  if (pd[5] != p.head_dim || p.heads % p.kv_heads != 0 || p.layer < 0 || p.layer >= pd[0]) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes or layer out of range");
+  }
+  ItemFn fn;
+  switch (kv_pool.element_type()) {
+    case ffi::DataType::F32: fn = run_item_dispatch<Kv::kF32>; break;
+    case ffi::DataType::U16: case ffi::DataType::BF16: fn = run_item_dispatch<Kv::kBF16>; break;
+    case ffi::DataType::S16: case ffi::DataType::F16: fn = run_item_dispatch<Kv::kF16>; break;
+    case ffi::DataType::U8: case ffi::DataType::F8E4M3FN: fn = run_item_dispatch<Kv::kE4M3>; break;
+    case ffi::DataType::S8: case ffi::DataType::F8E5M2: fn = run_item_dispatch<Kv::kE5M2>; break;
+    default: return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported kv_pool dtype");
+  }
+  std::memset(p.out, 0, sizeof(float) * num_tokens * p.heads * p.head_dim);
+
+  // Tiles: runs of consecutive tokens of one sequence, at most kTileTokens each.
+  const int32_t* seq = token_seq.typed_data();
+  const int64_t num_seqs = td[0];
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < num_tokens;) {
+    if (seq[t] < 0 || seq[t] >= num_seqs) { ++t; continue; }
+    int64_t e = t + 1;
+    while (e < num_tokens && e - t < kTileTokens && seq[e] == seq[t]) ++e;
+    tiles.push_back({static_cast<int32_t>(t), static_cast<int32_t>(e - t), seq[t]});
+    t = e;
+  }
+  parallel_for(thread_pool, static_cast<int64_t>(tiles.size()), [&p, &tiles, fn](int64_t i) { fn(p, tiles[i]); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // kv_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window"));
