@@ -36,7 +36,7 @@ from jaxpaged.config import (
     resolve_kernel_backend,
 )
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
-from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
+from pallas_kernels.sampling import first_argmax, reference_top_k_top_p_sampling, top_k_top_p_sampling
 
 __all__ = ["Config", "KVCache", "load", "load_tokenizer", "pad_batch", "init_cache", "prefill", "decode", "sample",
            "generate"]
@@ -226,7 +226,7 @@ def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, to
         draw = partial(top_k_top_p_sampling, interpret=config.sampler_backend == "pallas-interpret")
     else:
         draw = reference_top_k_top_p_sampling
-    return jax.lax.cond(jnp.all(temperature <= 0), lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+    return jax.lax.cond(jnp.all(temperature <= 0), first_argmax,
                         lambda x: draw(x, key, temperature, top_k, top_p), logits.astype(jnp.float32))
 
 

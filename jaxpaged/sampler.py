@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, UInt32
 
 from jaxpaged.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
+from pallas_kernels.sampling import first_argmax, reference_top_k_top_p_sampling, top_k_top_p_sampling
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +74,7 @@ def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetad
     """
     processed = process_logits(logits, row_state, meta.processors)
     all_greedy = jnp.all(meta.temperature <= 0)
-    tokens = jax.lax.cond(all_greedy, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+    tokens = jax.lax.cond(all_greedy, first_argmax,
                           lambda x: _draw(x, meta, backend), processed)
     source = logits if logprobs_mode == "raw_logprobs" else processed
     s = logits.shape[0]

@@ -23,6 +23,14 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 
+
+def first_argmax(x: Float[Array, "B V"]) -> Int[Array, "B"]:
+    """jnp.argmax over the last axis (the first index of the largest value), as a max and a masked min: XLA:CPU
+    runs argmax's paired (value, index) reduction 4x slower (3.9 vs 1.0 ms for 32 x 49,152)."""
+    v = x.shape[-1]
+    hit = x == x.max(axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
+
 def check_sampling_args(logits, key, temperature, top_k, top_p) -> None:
     """Raise ValueError on shapes the sampler cannot take."""
     if logits.ndim != 2:
@@ -93,7 +101,7 @@ def reference_top_k_top_p_sampling(
     weights = jnp.exp(filtered - filtered.max(axis=-1, keepdims=True))
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys(key, b))  # (0, 1]
     sampled = categorical_from_uniform(weights, u)
-    return jnp.where(greedy_rows, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    return jnp.where(greedy_rows, first_argmax(logits), sampled).astype(jnp.int32)
 
 
 MAX_ROUNDS = 32  # rejection rounds before falling back to the argmax (always in the kept set)
@@ -244,5 +252,5 @@ def _top_k_top_p_sampling(logits, keys, temperature, top_k, top_p, *, tile, num_
         interpret=interpret,
         name="top_k_top_p_rejection_sampling",
     )(padded, temperature.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32), uniforms)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     return jnp.where((temperature > 0) & (drawn >= 0), drawn, greedy)

@@ -78,3 +78,14 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="top_k"):
         reference_top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2),
                                        jnp.zeros(3, jnp.int32), jnp.ones(2))
+
+
+def test_first_argmax_is_argmax_with_ties_and_masked_rows():
+    from pallas_kernels.sampling import first_argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(64, 300)).astype(np.float32)  # many ties: the first index must win
+    x[5] = -np.inf  # every token banned
+    x[6, :] = -np.inf
+    x[6, 299] = 1.0  # the last token only
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
