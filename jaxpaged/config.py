@@ -77,6 +77,15 @@ class SchedulerConfig:
     # Prompt tokens a step may carry beside running decodes (0: no cap, the whole budget), so streams keep a
     # short inter-token latency while prompts arrive; the step is then filled up to its token bucket.
     max_prefill_tokens_with_decodes: int = 0
+    # Token buckets with 1.5x steps between powers of two up to 256 (runner/buckets.py): on CPU a step's cost
+    # grows with its padded rows; on GPU small steps cost about the same, so the extra compiles buy nothing.
+    fine_token_buckets: bool = False
+
+    def token_buckets(self) -> list[int]:
+        """The padded step sizes (tokens) the runner compiles and the scheduler fills."""
+        from jaxpaged.runner.buckets import token_buckets
+
+        return token_buckets(self.max_num_batched_tokens, fine=self.fine_token_buckets)
 
 
 @dataclass(frozen=True)
@@ -280,6 +289,7 @@ class EngineArgs:
             max_prefill_tokens_with_decodes=(self.max_prefill_tokens_with_decodes
                                              if self.max_prefill_tokens_with_decodes is not None
                                              else 0 if gpu else 256),
+            fine_token_buckets=not gpu,
         )
 
     @classmethod

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager
 from jaxpaged.request import Request, RequestStatus
-from jaxpaged.runner.buckets import pick_token_bucket, token_buckets
+from jaxpaged.runner.buckets import pick_token_bucket
 
 
 @dataclass(slots=True)
@@ -148,7 +148,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self._finished_ids: list[str] = []
-        self._buckets = token_buckets(config.max_num_batched_tokens)  # the runner's padded step sizes
+        self._buckets = config.token_buckets()  # the runner's padded step sizes
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:

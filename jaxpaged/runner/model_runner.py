@@ -29,7 +29,7 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.block_transfer import BlockTransfer
-from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket, token_buckets
+from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
 from jaxpaged.sampler import sample, token_logprobs
@@ -139,7 +139,7 @@ class ModelRunner:
         chunk_blocks = 4 * config.attention_chunk // cc.block_size  # the widest chunk the attention reads
         width = -(-sc.max_model_len // cc.block_size)
         self.geometry = StepGeometry(cc.block_size, cc.num_blocks, -(-width // chunk_blocks) * chunk_blocks)
-        self.buckets = token_buckets(sc.max_num_batched_tokens)
+        self.buckets = sc.token_buckets()
         self.num_rows = sc.max_num_seqs
         self.batch = InputBatch(self.num_rows, sc.max_model_len, self.geometry.table_width)
         self._packers = {t: StepPacker(self._template(t)) for t in self.buckets}

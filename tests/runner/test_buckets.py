@@ -1,0 +1,24 @@
+"""Token buckets: what the runner compiles and the scheduler fills."""
+
+from jaxpaged.config import EngineArgs, SchedulerConfig
+from jaxpaged.runner.buckets import pick_token_bucket, token_buckets
+
+
+def test_powers_of_two_then_the_budget():
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(16) == [16]
+
+
+def test_fine_buckets_add_halfway_steps_up_to_256():
+    assert token_buckets(1024, fine=True) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024]
+    assert token_buckets(40, fine=True) == [16, 24, 32, 40]
+    assert token_buckets(48, fine=True) == [16, 24, 32, 48]  # the budget is not repeated
+    assert pick_token_bucket(token_buckets(1024, fine=True), 33) == 48
+
+
+def test_the_scheduler_and_runner_share_one_list_and_cpu_gets_fine_buckets():
+    cfg = EngineArgs(max_num_batched_tokens=512).scheduler_config(model_max_len=4096)
+    assert cfg.fine_token_buckets  # these tests run on CPU
+    assert cfg.token_buckets() == token_buckets(512, fine=True)
+    assert SchedulerConfig(max_num_batched_tokens=512).token_buckets() == token_buckets(512)
