@@ -160,14 +160,13 @@ def resolve_attention_backend(name: str) -> str:
     can build it, else the plain-JAX path. "cpu" asks for the C++ kernel and fails if it cannot be had."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "cpu" or (name == "auto" and jax.default_backend() == "cpu"):
-        from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_attention
 
-        if jax.default_backend() == "cpu" and cpu_attention.available():
-            return "cpu"
-        if name == "cpu":
-            raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the kernel "
-                             "(see the log); use 'auto' or 'reference'")
+    if name in ("auto", "cpu") and jax.default_backend() == "cpu" and cpu_attention.available():
+        return "cpu"
+    if name == "cpu":
+        raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the kernel "
+                         "(see the log); use 'auto' or 'reference'")
     return resolve_kernel_backend(name)
 
 

@@ -94,8 +94,6 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     attention_backend = resolve_attention_backend(attention_backend)  # a bad name raises here, before loading
     path = model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), dtype)
-    if per_layer is None:
-        per_layer = jax.default_backend() == "cpu"
     params = model_params(model_config, load_weights(model_config, load_format), per_layer=per_layer)
     return Config(model_config, attention_backend, resolve_kernel_backend(sampler_backend)), params
 

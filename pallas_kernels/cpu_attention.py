@@ -16,7 +16,6 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import cpu_build
-from pallas_kernels.kv_storage import storage_dtype
 from pallas_kernels.paged_attention import check_paged_attention_args
 
 TARGET = "jaxpaged_ragged_paged_attention"
@@ -47,8 +46,6 @@ def ragged_paged_attention_cpu(
     check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions)
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built on this machine (see the log)")
-    if kv_pool.dtype != storage_dtype(kv_pool.dtype):  # a plain bf16/f16/fp8 pool: the same bits as its storage
-        kv_pool = jax.lax.bitcast_convert_type(kv_pool, storage_dtype(kv_pool.dtype))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), kv_pool, jnp.asarray(layer, jnp.int32).reshape(()),
                block_tables.astype(jnp.int32), token_seq.astype(jnp.int32), positions.astype(jnp.int32),

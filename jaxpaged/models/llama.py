@@ -122,12 +122,15 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"]) -> Float[Array, "S
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool = False) -> dict:
+def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
 
     q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
-    "w_gate_up". per_layer=False: params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts.
+    "w_gate_up". per_layer=False: params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts;
+    None: per layer on CPU, stacked elsewhere (see the module docstring).
     """
+    if per_layer is None:
+        per_layer = jax.default_backend() == "cpu"
     expected = param_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -146,14 +149,6 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     else:
         params["layers"] = {k: jnp.asarray(v, dtype) for k, v in layers.items()}
     return params
-
-
-def stack_layers(params: dict) -> dict:
-    """The same tree with the layer weights stacked on a leading [L] axis (as `model_params(per_layer=False)`)."""
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        return params
-    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
 
 
 class LlamaLayers(nnx.Module):
@@ -175,8 +170,6 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
                  kv_chunk: int = 32, per_layer: bool | None = None):
-        if per_layer is None:
-            per_layer = jax.default_backend() == "cpu"
         params = model_params(cfg, weights, per_layer=per_layer)
         self.cfg = cfg
         self.attention_backend = attention_backend
@@ -184,7 +177,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed = nnx.Param(params["embed"])
         self.final_norm = nnx.Param(params["final_norm"])
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
-        if per_layer:
+        if isinstance(params["layers"], list):
             self.layers = nnx.List([LlamaLayers(w) for w in params["layers"]])
         else:
             self.layers = LlamaLayers(params["layers"])
