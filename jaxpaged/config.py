@@ -40,7 +40,15 @@ class ModelConfig:
     o_bias: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the weights': "float32" | "bfloat16" | "float16"
+    # activations (residual stream, norms, matmul outputs); None: the weights' dtype. On CPUs float32 (see
+    # registry.activation_dtype_for): XLA:CPU widens bf16 elementwise ops one by one, while a bf16 x bf16 dot
+    # with float32 output runs its fast path.
+    activation_dtype: str | None = None
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.activation_dtype or self.dtype
 
     def __hash__(self) -> int:
         """Hashable (a static argument of jitted functions) although rope_scaling is a dict."""

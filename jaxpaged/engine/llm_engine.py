@@ -23,6 +23,7 @@ from jaxpaged.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    platform_is_gpu,
     resolve_attention_backend,
     resolve_kernel_backend,
 )
@@ -32,6 +33,7 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.registry import (
     build_model,
+    cpu_has_bf16_dot,
     default_model_path,
     load_hf_config,
     load_tokenizer,
@@ -124,8 +126,11 @@ class LLMEngine:
         if not stub:
             model = build_model(model_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
                                 attention_backend=attention_backend)
-            logger.info("Loaded %s (%s, %s) in %.1f s", path, model_config.architecture, model_config.dtype,
-                        time.perf_counter() - t0)
+            logger.info("Loaded %s (%s, %s weights, %s activations) in %.1f s", path, model_config.architecture,
+                        model_config.dtype, model_config.compute_dtype, time.perf_counter() - t0)
+            if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
+                logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 runs ~1.35x faster here "
+                            "(bf16 weights, float32 activations; greedy outputs differ slightly from float32's)")
             param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes)
         if (blocks - 1) * args.block_size < sched.max_model_len:

@@ -18,11 +18,22 @@ def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> F
     return weight * xf.astype(x.dtype)
 
 
+def dense(x: Float[Array, "T K"], w: Float[Array, "K N"]) -> Float[Array, "T N"]:
+    """x @ w in x's dtype. Narrower weights than activations (bf16 weights, float32 activations: the CPU form)
+    take x rounded to w's dtype into a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot
+    instructions (twice float32's rate; a bf16-output dot takes a slow path)."""
+    if x.dtype == w.dtype:
+        return x @ w
+    y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
 def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"]
               ) -> Float[Array, "T E"]:
     """SiLU-gated MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul ([gate | up] columns)."""
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down
+    gate, up = jnp.split(dense(x, w_gate_up), 2, axis=-1)
+    return dense(jax.nn.silu(gate) * up, w_down)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:

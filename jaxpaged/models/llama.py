@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq
+from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_inv_freq
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
 LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
@@ -75,13 +75,13 @@ def forward(
     t = token_ids.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    x = params["embed"][token_ids]  # [T, E]
+    x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
 
     def layer(carry, xs):
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = y @ w["wqkv"]  # [T, (H + 2 KH) D]
+        qkv = dense(y, w["wqkv"])  # [T, (H + 2 KH) D]
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv, [h * d, (h + kh) * d], axis=-1)
@@ -95,7 +95,7 @@ def forward(
             sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
             backend=attention_backend, max_query_len=meta.max_query_len,
         )
-        o = a.reshape(t, h * d) @ w["wo"]
+        o = dense(a.reshape(t, h * d), w["wo"])
         if cfg.o_bias:
             o = o + w["bo"]
         x = x + o
@@ -115,8 +115,13 @@ def forward(
 
 def compute_logits(params: dict, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
     """Vocabulary logits in float32 (the tied embedding when the model has no lm_head)."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        return jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
+                                   (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # contracting the embedding's own axis 1: `embed.T` would have XLA:CPU copy the 56-113 MB table every call
+    embed = params["embed"]
+    return jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
