@@ -6,7 +6,7 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from jaxpaged.engine.llm import LLM
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.request import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

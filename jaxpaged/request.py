@@ -52,6 +52,8 @@ class Request:
     last_token_time: float | None = None
     # Dense rows for the logits processors (bias, min_tokens mask), built at admission when needed.
     processor_rows: tuple | None = None
+    # Structured output: this sample's llguidance matcher (it takes each drawn token), or None.
+    grammar_matcher: object | None = None
     # Logprob information of each generated token: (logprob, rank, top ids, top logprobs).
     output_logprobs: list = field(default_factory=list)
     # Prompt logprob rows (token, logprob, rank, top ids, top logprobs) for prompt positions 1.. so far.

@@ -8,6 +8,59 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, with vLLM's names: exactly one of json (a JSON schema, as a dict or its
+    text), regex, choice (the output is one of these strings), grammar (Lark, or GBNF/EBNF as llama.cpp
+    writes it) or json_object (any JSON object). disable_any_whitespace: compact JSON (the default here
+    already; kept for vLLM's API). whitespace_pattern: a regex for the whitespace JSON may use.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        """From a request's JSON object; unknown keys raise ValueError naming them."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}")
+        return cls(**d)
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings, with vLLM's names and meanings.
 
@@ -37,6 +90,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (their single-token forms are masked)
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex...)
 
     def __post_init__(self) -> None:
         self._check_int("n", minimum=1)
@@ -88,6 +142,11 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of non-negative ints")
         if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError("bad_words must be a list of non-empty strings")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 

@@ -7,7 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.structured.grammar import compile_grammar
 
 
 class APIError(Exception):
@@ -58,11 +59,6 @@ _UNSUPPORTED = {
     "tools": "tool calling ('tools') is not supported",
     "functions": "function calling ('functions') is not supported",
     "function_call": "function calling ('function_call') is not supported",
-    "guided_json": "structured output ('guided_json') is not supported yet",
-    "guided_regex": "structured output ('guided_regex') is not supported yet",
-    "guided_choice": "structured output ('guided_choice') is not supported yet",
-    "guided_grammar": "structured output ('guided_grammar') is not supported yet",
-    "structured_outputs": "structured output ('structured_outputs') is not supported yet",
 }
 
 
@@ -74,15 +70,61 @@ def reject_unsupported(body: dict, *, chat: bool = False) -> None:
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], {}, ""):
             raise APIError(message, param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schema) is not "
-                       "supported yet", param="response_format")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise APIError("tool calling ('tool_choice') is not supported", param="tool_choice")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise APIError("'best_of' is not supported (use n)", param="best_of")
+
+
+# vLLM's older per-kind request fields -> StructuredOutputsParams fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _from_response_format(fmt) -> StructuredOutputsParams | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise APIError("'response_format' must be an object with a 'type'", param="response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError("response_format 'json_schema' needs json_schema.schema (an object)",
+                           param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                   param="response_format")
+
+
+def structured_outputs_from(body: dict) -> StructuredOutputsParams | None:
+    """The request's output constraint, from `response_format`, vLLM's `structured_outputs` or its older
+    `guided_*` fields (at most one of them); its grammar is checked here so a bad one is a 400 naming the field."""
+    plain = {"type": "text"}
+    sources = [name for name in ("response_format", "structured_outputs", *_GUIDED)
+               if body.get(name) not in (None, False, [], {}, "") and not (name == "response_format"
+                                                                           and body[name] == plain)]
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise APIError(f"give one output constraint, not {' and '.join(sources)}", param=sources[1])
+    name = sources[0]
+    try:
+        if name == "response_format":
+            params = _from_response_format(body[name])
+        elif name == "structured_outputs":
+            params = StructuredOutputsParams.from_dict(body[name])
+        else:
+            extra = {"whitespace_pattern": body["guided_whitespace_pattern"]} if body.get(
+                "guided_whitespace_pattern") else {}
+            params = StructuredOutputsParams(**{_GUIDED[name]: body[name]}, **extra)
+        compile_grammar(params)
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param=name) from None
+    return params
 
 
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
@@ -115,6 +157,7 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bo
         logit_bias=get_field(body, "logit_bias", (dict,), None),
         allowed_token_ids=get_field(body, "allowed_token_ids", (list,), None),
         bad_words=get_field(body, "bad_words", (list,), None),
+        structured_outputs=structured_outputs_from(body),
     )
     try:
         return SamplingParams(**kwargs)

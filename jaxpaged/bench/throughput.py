@@ -13,7 +13,6 @@ import json
 import logging
 import time
 
-
 from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload, shared_prefix_workload
 from jaxpaged.config import EngineArgs
 
@@ -31,16 +30,23 @@ def summarize(backend: str, reqs: list[BenchRequest], wall: float, warmup: float
     }
 
 
+# The constraint of --compare-structured: JSON arrays of strings, open-ended enough for any output length.
+STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}}
+
+
 def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
-                 temperature: float = 1.0) -> dict:
-    """Generate the workload with `LLM.generate` (EOS ignored, n samples each)."""
-    from jaxpaged import LLM, SamplingParams
+                 temperature: float = 1.0, structured_fraction: float = 0.0) -> dict:
+    """Generate the workload with `LLM.generate` (EOS ignored, n samples each); the first `structured_fraction`
+    of every ten requests constrained to STRUCTURED_SCHEMA."""
+    from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
 
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
     warmup = time.perf_counter() - t0
+    constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n,
-                             seed=i) for i, r in enumerate(reqs)]
+                             seed=i, structured_outputs=constraint if i % 10 < 10 * structured_fraction else None)
+              for i, r in enumerate(reqs)]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params)
     wall = time.perf_counter() - t0
@@ -53,6 +59,11 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
                        compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
                        prefix_cache_queried_tokens=kv.num_queried_tokens,
                        async_scheduling=eng.config.async_scheduling)
+    if structured_fraction:
+        so = eng.structured
+        result.update(structured_fraction=structured_fraction, mask_rows=so.mask_rows,
+                      mask_us_per_row=1e6 * so.mask_seconds / max(so.mask_rows, 1),
+                      mask_share_of_wall=so.mask_seconds / wall)
     result["token_ids"] = [o.outputs[0].token_ids for o in outs]
     if n > 1:  # every sample's tokens count as output
         result["output_tokens"] *= n
@@ -164,6 +175,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: %(default)s)")
     p.add_argument("--compare-async", action="store_true",
                    help="run jaxpaged with async scheduling off and on, and compare")
+    p.add_argument("--compare-structured", type=float, default=None, metavar="FRACTION",
+                   help="run jaxpaged with no request constrained, then with FRACTION of them constrained to a "
+                        "JSON schema (structured output), and compare; reports the host mask cost")
     p.add_argument("--vllm-python", default=None,
                    help="with --compare vllm: the python of a venv with vLLM installed (run in a subprocess)")
     p.add_argument("--output-json", default="bench_results/throughput.json")
@@ -218,6 +232,21 @@ def main(ns: argparse.Namespace) -> list[dict]:
                                         ns.temperature))
         if ns.temperature == 0:
             assert results[0]["token_ids"] == results[1]["token_ids"], "async scheduling changed greedy outputs"
+        return _report(results, ns)
+    if ns.compare_structured is not None:
+        for fraction in (0.0, ns.compare_structured):
+            results.append(run_jaxpaged(reqs, engine_args, ns.n, f"jaxpaged {fraction:.0%} constrained",
+                                        ns.temperature, fraction))
+        a, b = (r.pop("token_ids") for r in results)
+        if ns.temperature == 0:
+            free = [i for i in range(len(a)) if i % 10 >= 10 * ns.compare_structured]
+            same = all(a[i] == b[i] for i in free)
+            print(f"free requests' greedy outputs unchanged by the constrained ones: {same}")
+            results[1]["free_outputs_unchanged"] = same
+        ratio = results[1]["output_tokens_per_s"] / results[0]["output_tokens_per_s"]
+        print(f"constrained / free output tokens/s: {ratio:.2f}x; host mask cost "
+              f"{results[1]['mask_us_per_row']:.0f} us per constrained row per step "
+              f"({results[1]['mask_share_of_wall']:.1%} of wall)")
         return _report(results, ns)
     backends = [ns.backend] + ([ns.compare] if ns.compare and ns.compare != ns.backend else [])
     for b in backends:

@@ -20,7 +20,6 @@ from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.request import Request
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
 
-
 # What one step gave one request: (request, token, whether the request ended with it). Plain tuples: a step
 # makes one per running request. A held request's token is its draw (its owner appends it or not).
 CoreOutput = tuple[Request, int, bool]
@@ -39,14 +38,14 @@ class StepStats:
 class EngineCore:
     """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
 
-    def __init__(self, config: EngineConfig, model, *, stub: bool = False):
+    def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None):
         self.config = config
         sc, cc = config.scheduler_config, config.cache_config
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
                                                enable_prefix_caching=cc.enable_prefix_caching,
                                                num_host_blocks=cc.num_host_blocks)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        self.runner = ModelRunner(config, model, stub=stub)
+        self.runner = ModelRunner(config, model, stub=stub, structured=structured)
         self.async_scheduling = config.async_scheduling
         self._in_flight: StepHandle | None = None
         self.last_stats = StepStats()
@@ -60,12 +59,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[CoreOutput]:
-        """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async)."""
+        """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async).
+
+        A structured-output request's next mask needs its last token: when the step in flight drew one, its
+        results are taken before the next step is scheduled (that step does not overlap the host work)."""
+        stats = StepStats()
+        outputs: list[CoreOutput] = []
+        if self.async_scheduling and self._in_flight is not None and self._in_flight.constrained:
+            outputs = self._take_results(self._in_flight, stats)
+            self._in_flight = None
         out = self.scheduler.schedule()
         handle = self.runner.execute(out)
-        stats = StepStats(num_preemptions=len(out.preempted_ids),
-                          first_scheduled=tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time
-                                                is None))
+        stats.num_preemptions = len(out.preempted_ids)
+        stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()
         for req in stats.first_scheduled:
             req.first_scheduled_time = now
@@ -73,7 +79,8 @@ class EngineCore:
             done, self._in_flight = self._in_flight, handle
         else:
             done = handle
-        outputs = self._take_results(done, stats) if done is not None else []
+        if done is not None:
+            outputs = self._take_results(done, stats)
         self.last_stats = stats
         return outputs
 
@@ -92,5 +99,8 @@ class EngineCore:
                 if (k := req.sampling_params.logprobs) is not None:
                     req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
                                                 lp[3][i, :k].tolist()))
+        for _, req, token in advanced:
+            if req.grammar_matcher is not None:
+                req.grammar_matcher.consume_token(token)  # (a refused token leaves it in error: see fill_bitmask)
         stats.num_generation_tokens = len(advanced)
         return [(req, token, req.status.finished) for _, req, token in advanced]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 CONTEXT = 6  # prompt tokens decoded before the output, so its first token's leading space or merge comes out right
 
 

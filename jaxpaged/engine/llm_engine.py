@@ -42,6 +42,7 @@ from jaxpaged.models.registry import (
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False):
         self.config = config
         self.tokenizer = tokenizer
-        self.core = EngineCore(config, model, stub=stub)
+        mc = config.model_config
+        self.structured = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        self.core = EngineCore(config, model, stub=stub, structured=self.structured)
         self.warmup_seconds = self.core.warmup()
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -166,12 +169,14 @@ class LLMEngine:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         rows = self._processor_rows(params)  # read-only, shared by the n samples
+        grammar = self.structured.grammar(params.structured_outputs) if params.structured_outputs else None
         requests = []
         for i in range(params.n):
             seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
-                                    eos_token_ids=self.config.model_config.eos_token_ids, processor_rows=rows))
+                                    eos_token_ids=self.config.model_config.eos_token_ids, processor_rows=rows,
+                                    grammar_matcher=self.structured.matcher(grammar) if grammar else None))
         return text, ids, requests
 
     def add_core_requests(self, requests: list[Request]) -> None:

@@ -34,6 +34,8 @@ from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
 from jaxpaged.sampler import sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.structured.bitmask import apply_token_bitmask
+from jaxpaged.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +84,18 @@ def enable_persistent_compilation_cache() -> None:
 
 
 def _step(graphdef, logprobs_mode, sampler_backend, packer: StepPacker, state, kv_pool, row_state: RowState,
-          last_token, ints, floats):
-    """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence."""
+          last_token, ints, floats, bitmask):
+    """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence.
+
+    bitmask [S, ceil(V / 32)] int32: the tokens each sequence row may draw (structured output; all ones = free).
+    """
     inp = packer.unpack(ints, floats)
     rows = inp.sampling.processors.token_slot
     token_ids = jnp.where(inp.from_device, last_token[jnp.minimum(rows, last_token.shape[0] - 1)], inp.token_ids)
     model = nnx.merge(graphdef, state)
     row_state = update_row_state(row_state, inp.sampling.processors, token_ids)
     hidden, kv_pool = model(token_ids, kv_pool, inp.attn)
-    logits = model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+    logits = apply_token_bitmask(model.compute_logits(hidden[inp.logits_indices]), bitmask)  # [S, V]
     out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode, backend=sampler_backend)
     last_token = last_token.at[inp.draw_rows].set(out.token_ids, mode="drop")
     return kv_pool, row_state, last_token, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
@@ -113,6 +118,7 @@ class StepHandle:
     plan: StepPlan
     result: object  # SamplerOutput of device arrays (or numpy, for the stub)
     prompt_lp: object
+    constrained: bool = False  # some row drew under a structured-output mask
 
 
 @dataclass
@@ -132,9 +138,11 @@ class ModelRunner:
     the engine's host path can be timed alone.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False):
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False,
+                 structured: StructuredOutputManager | None = None):
         self.config = config
         self.stub = stub
+        self.structured = structured
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         chunk_blocks = 4 * config.attention_chunk // cc.block_size  # the widest chunk the attention reads
         width = -(-sc.max_model_len // cc.block_size)
@@ -143,6 +151,8 @@ class ModelRunner:
         self.num_rows = sc.max_num_seqs
         self.batch = InputBatch(self.num_rows, sc.max_model_len, self.geometry.table_width)
         self._packers = {t: StepPacker(self._template(t)) for t in self.buckets}
+        self.mask_width = (config.model_config.vocab_size + 31) // 32
+        self._free_masks: dict[int, jax.Array] = {}  # rows -> an all-ones bitmask kept on the device
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
@@ -179,7 +189,7 @@ class ModelRunner:
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             ints, floats = self._packers[t].pack(self._template(t))
             self._compiled[t] = self._jitted(t).lower(self.state, self.kv_pool, self.row_state, self.last_token,
-                                                      ints, floats).compile()
+                                                      ints, floats, self._free_mask(t)).compile()
         v = self.config.model_config.vocab_size
         self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
                                                   np.zeros(v, bool)).compile()
@@ -226,8 +236,9 @@ class ModelRunner:
         t = pick_token_bucket(self.buckets, int(n.sum()))
         inp, plan = build_step_input(batch, rows, n, start, samples, t, self._num_seqs(t), self.geometry, reset)
         ints, floats = self._packers[t].pack(inp)
+        bitmask, constrained = self._bitmask(t, requests, plan)
         if self.stub:
-            return StepHandle(out, plan, np.full(len(plan.order), 7, np.int32), None)
+            return StepHandle(out, plan, np.full(len(plan.order), 7, np.int32), None, constrained)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
@@ -235,8 +246,26 @@ class ModelRunner:
             step = self._jitted(t)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             self.kv_pool, self.row_state, self.last_token, result, prompt_lp = step(
-                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats)
-        return StepHandle(out, plan, result, prompt_lp)
+                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats, bitmask)
+        return StepHandle(out, plan, result, prompt_lp, constrained)
+
+    def _free_mask(self, t: int) -> jax.Array | np.ndarray:
+        rows = self._num_seqs(t)
+        if self.stub:
+            return np.full((rows, self.mask_width), -1, np.int32)
+        if rows not in self._free_masks:
+            self._free_masks[rows] = jnp.full((rows, self.mask_width), -1, jnp.int32)
+        return self._free_masks[rows]
+
+    def _bitmask(self, t: int, requests, plan: StepPlan) -> tuple[jax.Array | np.ndarray, bool]:
+        """The step's token bitmask: the device's all-ones one, or the constrained rows' masks computed now."""
+        rows = [(req.grammar_matcher, j) for j, (i, draws) in enumerate(zip(plan.order, plan.samples))
+                if draws and (req := requests[i]).grammar_matcher is not None]
+        if not rows:
+            return self._free_mask(t), False
+        bitmask = np.full((self._num_seqs(t), self.mask_width), -1, np.int32)
+        self.structured.fill_bitmask(bitmask, rows)
+        return bitmask, True
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Wait for a dispatched step and bring its results to the host, in scheduler order."""

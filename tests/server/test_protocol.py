@@ -98,10 +98,6 @@ def test_bad_sampling_values_name_their_field(body, param):
 @pytest.mark.parametrize("body,param", [
     ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
-    ({"guided_json": {}}, None), ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"), ({"guided_regex": "a+"}, "guided_regex"),
-    ({"guided_choice": ["a"]}, "guided_choice"), ({"guided_grammar": "g"}, "guided_grammar"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"response_format": "json"}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"),
 ])
@@ -120,6 +116,48 @@ def test_unsupported_fields_are_rejected_by_name(body, param):
 ])
 def test_defaults_of_unsupported_fields_are_accepted(body):
     reject_unsupported(body)
+
+
+@pytest.mark.parametrize("body,kind,value", [
+    ({"response_format": {"type": "json_object"}}, "json_object", True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}},
+     "json", {"type": "object"}),
+    ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ["x", "y"]),
+    ({"guided_json": {"type": "array"}}, "json", {"type": "array"}), ({"guided_regex": "b+"}, "regex", "b+"),
+    ({"guided_choice": ["a"]}, "choice", ["a"]), ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+])
+def test_output_constraints_from_each_request_field(body, kind, value):
+    p = sampling_params_from(body, default_max_tokens=16).structured_outputs
+    assert p.kind == kind and getattr(p, kind) == value
+
+
+@pytest.mark.parametrize("body", [{}, {"response_format": {"type": "text"}}, {"guided_json": {}},
+                                  {"structured_outputs": None}])
+def test_no_constraint(body):
+    assert sampling_params_from(body, default_max_tokens=16).structured_outputs is None
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"response_format": "json"}, "response_format", "object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object",
+                                                                            "dependentSchemas": {}}}}},
+     "response_format", "dependentSchemas"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs", "unknown"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"guided_choice": []}, None, None),  # (empty: asks for nothing)
+    ({"guided_choice": "ab"}, "guided_choice", "choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one output constraint"),
+])
+def test_bad_constraints_name_their_field(body, param, needle):
+    if param is None:
+        assert sampling_params_from(body, default_max_tokens=16).structured_outputs is None
+        return
+    e = error_of(sampling_params_from, body, default_max_tokens=16)
+    assert e.status == 400 and e.param == param and needle in e.message
 
 
 def test_echo_only_on_completions():

@@ -1,0 +1,54 @@
+"""`compile_grammar`: a request's `StructuredOutputsParams` as an llguidance grammar, checked against the
+tokenizer, or a ValueError naming the field and what is wrong (unsupported JSON-schema keys included)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.gbnf_to_lark import any_to_lark
+
+from jaxpaged.sampling_params import StructuredOutputsParams
+
+
+def _json_options(p: StructuredOutputsParams) -> dict:
+    """Compact JSON (no free whitespace: small models can loop on it) unless a whitespace_pattern is given;
+    oneOf read as anyOf (what schemas from pydantic mean)."""
+    options: dict = {"whitespace_flexible": False, "coerce_one_of": True}
+    if p.whitespace_pattern is not None:
+        options["whitespace_pattern"] = p.whitespace_pattern
+    return options
+
+
+def grammar_source(p: StructuredOutputsParams) -> str:
+    """The llguidance grammar text for `p` (not yet validated)."""
+    kind = p.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else p.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON object (a schema), got {type(schema).__name__}")
+        return LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(p))
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(p.regex)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in p.choice))
+    try:
+        return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
+    except Exception as e:  # the GBNF converter raises on text it cannot read
+        raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
+
+
+def compile_grammar(p: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> str:
+    """Validated grammar text for `p`; ValueError naming `structured_outputs.<kind>` when it is unusable."""
+    source = grammar_source(p)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+    if is_error:
+        message = messages[0].strip().splitlines()[0] if messages else "invalid"
+        raise ValueError(f"structured_outputs.{p.kind} is not supported: {message}")
+    return source

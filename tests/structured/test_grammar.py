@@ -1,0 +1,69 @@
+"""StructuredOutputsParams validation, grammar compilation errors, and the in-step bitmask against llguidance's."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from llguidance.numpy import apply_token_bitmask_inplace
+
+from jaxpaged import SamplingParams, StructuredOutputsParams
+from jaxpaged.structured.bitmask import apply_token_bitmask
+from jaxpaged.structured.grammar import compile_grammar
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({}, "exactly one"), ({"json": {}, "regex": "a"}, "exactly one"), ({"choice": []}, "choice"),
+    ({"choice": ["a", ""]}, "choice"), ({"choice": "ab"}, "choice"), ({"json": 3}, "json"),
+    ({"regex": ""}, "regex"), ({"json_object": "yes"}, "json_object"),
+])
+def test_bad_params_name_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_take_a_dict_and_reject_unknown_fields():
+    p = SamplingParams(structured_outputs={"regex": "a+"})
+    assert p.structured_outputs.kind == "regex"
+    with pytest.raises(ValueError, match="unknown fields.*'schema'"):
+        SamplingParams(structured_outputs={"schema": {}})
+
+
+@pytest.mark.parametrize("params,needle", [
+    (StructuredOutputsParams(json={"type": "object", "dependentSchemas": {"a": {}}}), "dependentSchemas"),
+    (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+    (StructuredOutputsParams(json="[1, 2]"), "JSON object"),
+    (StructuredOutputsParams(regex="[a-"), "regex"),
+    (StructuredOutputsParams(grammar="root ::= ("), "grammar"),
+])
+def test_unusable_constraints_raise_naming_the_field(params, needle):
+    with pytest.raises(ValueError, match=f"structured_outputs.{params.kind}") as e:
+        compile_grammar(params)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("params", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"type": "array", "items": {"enum": ["x", "y"]}}'),
+    StructuredOutputsParams(json_object=True), StructuredOutputsParams(regex=r"\d+"),
+    StructuredOutputsParams(choice=["yes", "no (maybe)"]),
+    StructuredOutputsParams(grammar='root ::= "a" | "b"'), StructuredOutputsParams(grammar='start: "a"+'),
+])
+def test_supported_constraints_compile(params):
+    assert compile_grammar(params)
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 257])
+def test_bitmask_applies_like_llguidance(vocab):
+    rng = np.random.default_rng(vocab)
+    width = (vocab + 31) // 32
+    mask = rng.integers(-2**31, 2**31, size=(5, width), dtype=np.int64).astype(np.int32)
+    mask[2] = -1  # a free row
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    expected = logits.copy()
+    apply_token_bitmask_inplace(expected, mask)
+    np.testing.assert_array_equal(np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask))), expected)
+
+
+def test_all_ones_bitmask_leaves_logits_alone():
+    logits = jnp.arange(70, dtype=jnp.float32).reshape(2, 35)
+    out = apply_token_bitmask(logits, jnp.full((2, 2), -1, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
