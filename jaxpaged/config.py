@@ -80,7 +80,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "sjf", "hybrid"] = "fcfs"
+    # sjf/hybrid aging: predicted tokens of work a request is forgiven per second it has waited (its rank is
+    # arrival time + work / rate), so a request is overtaken only by ones that arrive within work / rate
+    # seconds after it. hybrid: each priority level is worth priority_class_seconds of waiting.
+    aging_rate: float = 10.0
+    priority_class_seconds: float = 60.0
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     # Prompt tokens a step may carry beside running decodes (0: no cap, the whole budget), so streams keep a
     # short inter-token latency while prompts arrive; the step is then filled up to its token bucket.
@@ -185,7 +190,7 @@ def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "hybrid")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -215,8 +220,14 @@ class EngineArgs:
     max_model_len: int | None = _flag(None, "longest prompt + output; default: the model's context length")
     enable_chunked_prefill: bool = _flag(True, "split long prompts over several steps")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompt prefixes seen before")
-    scheduling_policy: str = _flag("fcfs", "fcfs: arrival order; priority: lowest priority value first",
+    scheduling_policy: str = _flag("fcfs", "fcfs: arrival order; priority: lowest priority value first; sjf: least "
+                                           "predicted work (prompt tokens left + max_tokens) first, with aging; "
+                                           "hybrid: priority classes, sjf within a class, aging across",
                                    SCHEDULING_POLICIES)
+    scheduling_aging_rate: float = _flag(10.0, "sjf/hybrid: predicted tokens forgiven per second waited (a "
+                                                "request is overtaken only by ones arriving within work / rate "
+                                                "seconds after it)")
+    priority_class_seconds: float = _flag(60.0, "hybrid: seconds of waiting one priority level is worth")
     compile_guard: bool = _flag(False, "raise if a step compiles after warmup (tests use it)")
     logprobs_mode: str = _flag("raw_logprobs", "logprobs of the raw model output, or after penalties and biases",
                                LOGPROBS_MODES)
@@ -244,6 +255,10 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if not self.scheduling_aging_rate > 0:
+            raise ValueError(f"scheduling_aging_rate must be > 0, got {self.scheduling_aging_rate}")
+        if not self.priority_class_seconds >= 0:
+            raise ValueError(f"priority_class_seconds must be >= 0, got {self.priority_class_seconds}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
@@ -293,6 +308,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
+            aging_rate=self.scheduling_aging_rate, priority_class_seconds=self.priority_class_seconds,
             max_prefill_tokens_with_decodes=(self.max_prefill_tokens_with_decodes
                                              if self.max_prefill_tokens_with_decodes is not None
                                              else 0 if gpu else 256),

@@ -68,7 +68,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     def chunk(choices, obj="chat.completion.chunk"):
         return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
 
-    async with generate_all(state.engine, [prompt], params, rid) as outputs:
+    async with generate_all(state.engine, [prompt], params, rid,
+                            priority=get_field(body, "priority", (int,), 0)) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

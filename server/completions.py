@@ -109,7 +109,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return text, completion_logprobs(entries, p.token_ids, as_ids=as_ids,
                                          first_text=tok.decode(p.token_ids[:1]))
 
-    async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid) as outputs:
+    async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid,
+                            priority=get_field(body, "priority", (int,), 0)) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

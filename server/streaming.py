@@ -17,7 +17,8 @@ from server.protocol import APIError
 
 
 @contextlib.asynccontextmanager
-async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str):
+async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                       priority: int = 0):
     """Queue every prompt (delta outputs), then yield an iterator of (prompt index, output) as they arrive.
 
     Bad input raises APIError before any prompt is left running. Leaving the block for any reason (done,
@@ -28,7 +29,8 @@ async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: Sampl
     try:
         try:
             for i, p in enumerate(prompts):
-                streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True))
+                streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True,
+                                                        priority=priority))
         except ValueError as e:
             head = str(e).split(":", 1)[0]
             raise APIError(str(e), param=head if re.fullmatch(r"[a-z_]+", head) else None) from None

@@ -2,8 +2,9 @@
 
 Each request has `num_computed_tokens` catching up to its tokens. A step gives running requests
 their tokens first (1 for decode, the rest of a chunk for a prefill), then admits waiting requests
-while budget, sequence slots and blocks last. When blocks run out, the newest (or lowest-priority)
-running request is preempted (recompute, or swap to host memory).
+while budget, sequence slots and blocks last, in the policy's order (fcfs, priority, sjf: least predicted
+work first with aging, hybrid: priority classes then sjf; see `Scheduler.rank`). When blocks run out, the
+newest (fcfs) or last-ranked running request is preempted (recompute, or swap to host memory).
 
 `schedule()` counts the scheduled tokens as computed at once, and a step that reaches a request's
 last token leaves a placeholder for the token it will draw (`num_output_placeholders`). With async
@@ -102,37 +103,38 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """Waiting requests: FCFS order, or (priority, arrival) order for the priority policy."""
+    """Waiting requests in the policy's order: FCFS (a deque), or by `rank` (a heap; see `Scheduler.rank`)."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, rank=None):
         self.policy = policy
+        self.rank = rank or (lambda req: (req.priority, req.arrival_time))
         self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[object, int, Request]] = []
         self._tiebreak = itertools.count()
 
     def __len__(self) -> int:
         return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
 
     def __iter__(self):
-        return iter(self._fifo) if self.policy == "fcfs" else (e[3] for e in sorted(self._heap))
+        return iter(self._fifo) if self.policy == "fcfs" else (e[2] for e in sorted(self._heap))
 
     def add(self, req: Request, *, front: bool = False) -> None:
         if self.policy == "fcfs":
             self._fifo.appendleft(req) if front else self._fifo.append(req)
         else:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._tiebreak), req))
+            heapq.heappush(self._heap, (self.rank(req), next(self._tiebreak), req))
 
     def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][3]
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][2]
 
     def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
 
     def remove(self, req: Request) -> None:
         if self.policy == "fcfs":
             self._fifo.remove(req)
         else:
-            self._heap = [e for e in self._heap if e[3] is not req]
+            self._heap = [e for e in self._heap if e[2] is not req]
             heapq.heapify(self._heap)
 
 
@@ -142,13 +144,32 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting = WaitingQueue(config.policy)
+        self.waiting = WaitingQueue(config.policy, self.rank)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
         self._finished_ids: list[str] = []
         self._buckets = config.token_buckets()  # the runner's padded step sizes
+
+    def predicted_work(self, req: Request) -> int:
+        """Tokens a request still has to compute: its prompt left, and max_tokens less what it generated."""
+        budget = req.sampling_params.max_tokens or self.config.max_model_len - len(req.prompt_token_ids)
+        return max(len(req.prompt_token_ids) - req.num_computed_tokens, 0) + budget - req.num_output_tokens
+
+    def rank(self, req: Request):
+        """Sort key of the policy, lower first (waiting order; the running request with the highest is the
+        preemption victim). sjf/hybrid: arrival time + predicted work / aging rate, a key that does not change
+        while a request waits, equivalent to lowering its work by the rate for each second waited."""
+        policy = self.config.policy
+        if policy == "priority":
+            return (req.priority, req.arrival_time)
+        if policy in ("sjf", "hybrid"):
+            key = req.arrival_time + self.predicted_work(req) / self.config.aging_rate
+            if policy == "hybrid":
+                key += req.priority * self.config.priority_class_seconds
+            return (key, req.arrival_time)
+        return (req.arrival_time,)
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -374,11 +395,12 @@ class Scheduler:
         self.running.append(child)
 
     def _pick_victim(self, start: int) -> Request:
-        """The running request to preempt: the newest (fcfs) or the lowest priority, not yet scheduled."""
+        """The running request to preempt, among those not yet scheduled: the newest (fcfs), else the last in
+        the policy's order (lowest priority; most predicted work left, aged)."""
         candidates = self.running[start:]
-        if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        if self.config.policy == "fcfs":
+            return candidates[-1]
+        return max(candidates, key=self.rank)
 
     def _preempt(self, req: Request, out: SchedulerOutput, *, front: bool = True) -> None:
         """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),

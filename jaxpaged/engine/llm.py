@@ -69,8 +69,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in order."""
+        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in order.
+
+        priority: one int per prompt (lower runs first) for the priority and hybrid scheduling policies."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -78,10 +81,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts) or not all(isinstance(x, int) and not isinstance(x, bool) for x in priority):
+            raise ValueError(f"priority: need one int per prompt ({len(prompts)}), got {priority!r}")
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(None, p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
+            for p, sp, prio in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(None, p, sp, priority=prio,
+                                                   output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             self.engine.abort_request(ids)
             raise

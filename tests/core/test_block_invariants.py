@@ -116,7 +116,8 @@ class Runner:
 
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority"]), prefix_caching=st.booleans(),
+       budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority", "sjf", "hybrid"]),
+       prefix_caching=st.booleans(),
        host_blocks=st.sampled_from([None, 0, 3, 40]), lag=st.sampled_from([0, 1]),
        prefill_cap=st.sampled_from([0, 0, 1, 5]))
 def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budget, policy, prefix_caching,

@@ -49,6 +49,15 @@ def test_chunked_prefill_small_budget(tiny_model_dir, expected, mode):
     assert llm.engine.stats.num_steps > NEW_TOKENS  # prompts really were split over steps
 
 
+@pytest.mark.parametrize("policy", ["sjf", "hybrid"])
+def test_policies_keep_outputs(tiny_model_dir, expected, mode, policy):
+    """Another order of admission and preemption victims changes no greedy output."""
+    llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64, scheduling_policy=policy,
+                   **mode)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
 def test_preemption_keeps_outputs(tiny_model_dir, expected, mode):
     # 12 usable blocks of 16 tokens: the six requests (up to 94 tokens each) cannot all fit.
     llm, got = run(tiny_model_dir("llama"), num_kv_blocks=13, max_num_batched_tokens=64, **mode)

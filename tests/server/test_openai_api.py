@@ -110,6 +110,7 @@ BAD = [
     ("/v1/nothing", {}, 404),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "response_format": {"type": "json_schema"}}, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "structured_outputs": {"regex": "[a-"}}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "priority": "high"}, 400),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
