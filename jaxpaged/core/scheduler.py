@@ -102,6 +102,10 @@ class SchedulerOutput:
         return bool(self.fork_copies or self.block_copies or self.swap_out or self.swap_in)
 
 
+# sjf/hybrid: the output length assumed for a request without max_tokens (chat requests often set none).
+UNBOUNDED_OUTPUT_ESTIMATE = 256
+
+
 class WaitingQueue:
     """Waiting requests in the policy's order: FCFS (a deque), or by `rank` (a heap; see `Scheduler.rank`)."""
 
@@ -153,9 +157,12 @@ class Scheduler:
         self._buckets = config.token_buckets()  # the runner's padded step sizes
 
     def predicted_work(self, req: Request) -> int:
-        """Tokens a request still has to compute: its prompt left, and max_tokens less what it generated."""
-        budget = req.sampling_params.max_tokens or self.config.max_model_len - len(req.prompt_token_ids)
-        return max(len(req.prompt_token_ids) - req.num_computed_tokens, 0) + budget - req.num_output_tokens
+        """Tokens a request still has to compute: its prompt left (all of it, and its output so far, after a
+        recompute preemption), and max_tokens less what it generated (UNBOUNDED_OUTPUT_ESTIMATE tokens when
+        max_tokens is unset, capped by max_model_len)."""
+        room = self.config.max_model_len - len(req.prompt_token_ids)
+        budget = req.sampling_params.max_tokens or min(UNBOUNDED_OUTPUT_ESTIMATE, room)
+        return (max(req.num_tokens - req.num_computed_tokens, 0) + max(budget - req.num_output_tokens, 0))
 
     def rank(self, req: Request):
         """Sort key of the policy, lower first (waiting order; the running request with the highest is the

@@ -11,14 +11,17 @@ have one more token computed in step N+1, which is dropped.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
-from jaxpaged.request import Request
+from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
 
 # What one step gave one request: (request, token, whether the request ended with it). Plain tuples: a step
 # makes one per running request. A held request's token is its draw (its owner appends it or not).
@@ -84,6 +87,18 @@ class EngineCore:
         self.last_stats = stats
         return outputs
 
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """Feed a drawn token to the request's matcher. A complete output (the grammar allows nothing more)
+        ends the request, as EOS would, unless it ignores EOS; so does a token the grammar refuses (only
+        possible when other settings, e.g. min_tokens or allowed_token_ids, forbid every token it allows)."""
+        m = req.grammar_matcher
+        ok = m.consume_token(token)
+        if not ok:
+            logger.warning("request %s: token %d is outside its structured-output grammar (%s); stopping it",
+                           req.request_id, token, m.get_error())
+        if not ok or (m.is_stopped() and not req.sampling_params.ignore_eos):
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+
     def _take_results(self, handle: StepHandle, stats: StepStats) -> list[CoreOutput]:
         result = self.runner.fetch(handle)
         out: SchedulerOutput = handle.out
@@ -100,7 +115,7 @@ class EngineCore:
                     req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
                                                 lp[3][i, :k].tolist()))
         for _, req, token in advanced:
-            if req.grammar_matcher is not None:
-                req.grammar_matcher.consume_token(token)  # (a refused token leaves it in error: see fill_bitmask)
+            if req.grammar_matcher is not None and not req.status.finished:
+                self._advance_grammar(req, token)
         stats.num_generation_tokens = len(advanced)
         return [(req, token, req.status.finished) for _, req, token in advanced]

@@ -8,7 +8,9 @@ import logging
 import os
 from typing import Any
 
-from jaxpaged.config import ModelConfig, platform_is_gpu
+import jax
+
+from jaxpaged.config import ModelConfig
 from jaxpaged.models.gguf_import import gguf_hf_folder
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
@@ -105,11 +107,11 @@ def architecture_of(hf_config) -> str:
 
 
 def activation_dtype_for(dtype: str) -> str:
-    """Activations' dtype for weights of `dtype` on this platform: the weights' on GPUs; float32 on CPUs, where
+    """Activations' dtype for weights of `dtype` on this platform: the weights' on accelerators; float32 on CPUs, where
     bf16/f16 weights with float32 activations run at twice float32's matmul speed (a bf16 dot with float32
     output uses the CPU's bf16 dot instructions) and elementwise ops stay in float32 (XLA:CPU widens each bf16
     op separately: full bf16 runs slower than float32)."""
-    return dtype if platform_is_gpu() else "float32"
+    return "float32" if jax.default_backend() == "cpu" else dtype
 
 
 def cpu_has_bf16_dot() -> bool:

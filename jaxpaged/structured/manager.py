@@ -55,7 +55,7 @@ class StructuredOutputManager:
     def grammar(self, params) -> str:
         """The validated grammar for a StructuredOutputsParams; ValueError naming the field if unusable."""
         fields = {k: v for k, v in vars(params).items() if v not in (None, False)}
-        return self._compile(json.dumps(fields, sort_keys=True))
+        return self._compile(json.dumps(fields))  # (not sort_keys: a schema's property order is its output order)
 
     def matcher(self, grammar: str):
         from llguidance import LLMatcher

@@ -91,6 +91,18 @@ def test_preemption_victim_follows_the_policy(policy, victim):
     assert preempted and set(preempted) == {victim}
 
 
+def test_unbounded_requests_are_predicted_a_default_output():
+    """Without max_tokens (chat requests often set none) the output is estimated, so the prompt still counts."""
+    from jaxpaged.core.scheduler import UNBOUNDED_OUTPUT_ESTIMATE
+
+    s = make("sjf")
+    short, long = req("short", 10, None, 0.0), req("long", 900, None, 0.0)
+    assert s.predicted_work(short) == 10 + UNBOUNDED_OUTPUT_ESTIMATE
+    assert s.predicted_work(long) == 900 + UNBOUNDED_OUTPUT_ESTIMATE
+    near_end = make("sjf", max_model_len=1000)
+    assert near_end.predicted_work(req("long", 900, None, 0.0)) == 900 + 100
+
+
 def test_bad_aging_flags_are_rejected():
     with pytest.raises(ValueError, match="scheduling_aging_rate"):
         EngineArgs(scheduling_aging_rate=0).validate()

@@ -102,6 +102,23 @@ def test_preempted_requests_keep_their_constraint(tiny_model_dir):
         assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out.outputs[0].text
 
 
+def test_json_fields_come_in_the_schema_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "alpha": {"type": "boolean"}, "mid": {"enum": ["x", "y"]}},
+              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, structured_outputs=
+                                                   StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha", "mid"]
+
+
+def test_a_complete_output_ends_the_request_even_under_min_tokens(llm):
+    """min_tokens would suppress the EOS that is all a finished grammar allows: the request ends instead."""
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                                                   structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                          use_tqdm=False)
+    assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop"
+
+
 def test_bad_constraint_is_an_error_before_any_work(llm):
     with pytest.raises(ValueError, match="structured_outputs.json.*dependentSchemas"):
         llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(
