@@ -64,15 +64,18 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async).
 
-        A structured-output request's next mask needs its last token: when the step in flight drew one, its
-        results are taken before the next step is scheduled (that step does not overlap the host work)."""
+        A structured-output mask needs the request's last token: when both the step in flight and the next one
+        draw under a grammar, the next step is scheduled and laid out while the device runs, then the step in
+        flight's results feed the matchers, and only the masks and the dispatch wait for them."""
         stats = StepStats()
         outputs: list[CoreOutput] = []
-        if self.async_scheduling and self._in_flight is not None and self._in_flight.constrained:
+        out = self.scheduler.schedule()
+        prepared = self.runner.prepare(out)
+        if (self.async_scheduling and self._in_flight is not None and self._in_flight.constrained
+                and prepared is not None and prepared.constrained):
             outputs = self._take_results(self._in_flight, stats)
             self._in_flight = None
-        out = self.scheduler.schedule()
-        handle = self.runner.execute(out)
+        handle = None if prepared is None else self.runner.dispatch(prepared)
         stats.num_preemptions = len(out.preempted_ids)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()

@@ -122,6 +122,22 @@ class StepHandle:
 
 
 @dataclass
+class PreparedStep:
+    """A step laid out on the host, not yet dispatched (`ModelRunner.prepare`)."""
+
+    out: SchedulerOutput
+    plan: StepPlan
+    t: int  # token bucket
+    ints: np.ndarray
+    floats: np.ndarray
+    matchers: list  # (structured-output matcher, sequence row) of the rows that draw under a grammar
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.matchers)
+
+
+@dataclass
 class StepResult:
     """A step's results, aligned with `SchedulerOutput.requests` (numpy)."""
 
@@ -204,6 +220,13 @@ class ModelRunner:
 
         Returns at once: the step runs on the device until `fetch` needs its results.
         """
+        prepared = self.prepare(out)
+        return None if prepared is None else self.dispatch(prepared)
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep | None:
+        """The host half of `execute`: batch changes, block moves, the step's packed inputs (None: nothing
+        to compute). Structured-output masks wait for `dispatch`, so the caller may first feed the matchers
+        the tokens of the step still in flight."""
         batch = self.batch
         for rid in out.finished_ids:
             batch.remove(rid)
@@ -236,9 +259,20 @@ class ModelRunner:
         t = pick_token_bucket(self.buckets, int(n.sum()))
         inp, plan = build_step_input(batch, rows, n, start, samples, t, self._num_seqs(t), self.geometry, reset)
         ints, floats = self._packers[t].pack(inp)
-        bitmask, constrained = self._bitmask(t, requests, plan)
+        matchers = [(req.grammar_matcher, j) for j, (i, draws) in enumerate(zip(plan.order, plan.samples))
+                    if draws and (req := requests[i]).grammar_matcher is not None]
+        return PreparedStep(out, plan, t, ints, floats, matchers)
+
+    def dispatch(self, prep: PreparedStep) -> StepHandle:
+        """Fill the structured-output masks (from the matchers as they are now) and dispatch the step."""
+        t = prep.t
+        bitmask = self._free_mask(t)
+        if prep.matchers:
+            bitmask = np.full((self._num_seqs(t), self.mask_width), -1, np.int32)
+            self.structured.fill_bitmask(bitmask, prep.matchers)
         if self.stub:
-            return StepHandle(out, plan, np.full(len(plan.order), 7, np.int32), None, constrained)
+            return StepHandle(prep.out, prep.plan, np.full(len(prep.plan.order), 7, np.int32), None,
+                              prep.constrained)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
@@ -246,8 +280,8 @@ class ModelRunner:
             step = self._jitted(t)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             self.kv_pool, self.row_state, self.last_token, result, prompt_lp = step(
-                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats, bitmask)
-        return StepHandle(out, plan, result, prompt_lp, constrained)
+                self.state, self.kv_pool, self.row_state, self.last_token, prep.ints, prep.floats, bitmask)
+        return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained)
 
     def _free_mask(self, t: int) -> jax.Array | np.ndarray:
         rows = self._num_seqs(t)
@@ -256,16 +290,6 @@ class ModelRunner:
         if rows not in self._free_masks:
             self._free_masks[rows] = jnp.full((rows, self.mask_width), -1, jnp.int32)
         return self._free_masks[rows]
-
-    def _bitmask(self, t: int, requests, plan: StepPlan) -> tuple[jax.Array | np.ndarray, bool]:
-        """The step's token bitmask: the device's all-ones one, or the constrained rows' masks computed now."""
-        rows = [(req.grammar_matcher, j) for j, (i, draws) in enumerate(zip(plan.order, plan.samples))
-                if draws and (req := requests[i]).grammar_matcher is not None]
-        if not rows:
-            return self._free_mask(t), False
-        bitmask = np.full((self._num_seqs(t), self.mask_width), -1, np.int32)
-        self.structured.fill_bitmask(bitmask, rows)
-        return bitmask, True
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Wait for a dispatched step and bring its results to the host, in scheduler order."""
