@@ -109,9 +109,9 @@ UNBOUNDED_OUTPUT_ESTIMATE = 256
 class WaitingQueue:
     """Waiting requests in the policy's order: FCFS (a deque), or by `rank` (a heap; see `Scheduler.rank`)."""
 
-    def __init__(self, policy: str, rank=None):
+    def __init__(self, policy: str, rank):
         self.policy = policy
-        self.rank = rank or (lambda req: (req.priority, req.arrival_time))
+        self.rank = rank
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[object, int, Request]] = []
         self._tiebreak = itertools.count()

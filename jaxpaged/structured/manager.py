@@ -27,6 +27,7 @@ class StructuredOutputManager:
         self.width = (vocab_size + 31) // 32  # int32 words per bitmask row
         self.mask_seconds = 0.0  # host time spent computing masks, and rows computed (for benchmarks)
         self.mask_rows = 0
+        self._grammars: dict[str, str] = {}  # compiled grammars by their constraint's JSON
 
     @functools.cached_property
     def tokenizer(self):
@@ -45,17 +46,18 @@ class StructuredOutputManager:
 
         return llguidance.LLExecutor()
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 (one manager per engine, lives as long as it)
-    def _compile(self, key: str) -> str:
-        from jaxpaged.sampling_params import StructuredOutputsParams
+    def grammar(self, params) -> str:
+        """The validated grammar for a StructuredOutputsParams (cached by its fields); ValueError naming the
+        field if unusable."""
         from jaxpaged.structured.grammar import compile_grammar
 
-        return compile_grammar(StructuredOutputsParams(**json.loads(key)), self.tokenizer)
-
-    def grammar(self, params) -> str:
-        """The validated grammar for a StructuredOutputsParams; ValueError naming the field if unusable."""
-        fields = {k: v for k, v in vars(params).items() if v not in (None, False)}
-        return self._compile(json.dumps(fields))  # (not sort_keys: a schema's property order is its output order)
+        # (no sort_keys: a schema's property order is its output order)
+        key = json.dumps({k: v for k, v in vars(params).items() if v not in (None, False)})
+        if key not in self._grammars:
+            if len(self._grammars) >= 256:
+                self._grammars.pop(next(iter(self._grammars)))  # the oldest
+            self._grammars[key] = compile_grammar(params, self.tokenizer)
+        return self._grammars[key]
 
     def matcher(self, grammar: str):
         from llguidance import LLMatcher

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -46,9 +47,17 @@ class LiveServer:
         self.engine.shutdown()
 
 
+@contextlib.contextmanager
+def serving(model_dir: str):
+    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, API_KEY), stopped on exit."""
+    server = LiveServer(AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **ENGINE_ARGS)), API_KEY)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), **ENGINE_ARGS))
-    server = LiveServer(engine, API_KEY)
-    yield server
-    server.stop()
+    with serving(tiny_model_dir("llama")) as server:
+        yield server

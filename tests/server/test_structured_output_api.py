@@ -12,9 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from jaxpaged.config import EngineArgs
-from jaxpaged.engine.async_llm import AsyncLLM
-from tests.server.conftest import API_KEY, ENGINE_ARGS, LiveServer
+from tests.server.conftest import API_KEY, serving
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "kind": {"enum": ["cat", "dog"]}},
@@ -24,10 +22,8 @@ REGEX = r"[a-z]{3}-\d{2}"
 
 @pytest.fixture(scope="module")
 def byte_server(tiny_model_dir):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama-bytes"), **ENGINE_ARGS))
-    server = LiveServer(engine, API_KEY)
-    yield server
-    server.stop()
+    with serving(tiny_model_dir("llama-bytes")) as server:
+        yield server
 
 
 def client(server):
