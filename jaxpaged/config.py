@@ -116,6 +116,11 @@ class EngineConfig:
     sampler_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
+    speculative: Any = None  # a SpeculativeConfig (spec_decode/config.py), or None: no speculative decoding
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -242,6 +247,10 @@ class EngineArgs:
     share_forked_blocks: bool = _flag(True, "n > 1 samples and beams share KV blocks (copy-on-write)")
     async_scheduling: bool | None = _flag(None, "schedule and prepare step N+1 while the device runs step N; "
                                                 "default: on (measured never slower, see README)")
+    speculative_config: dict | str | None = _flag(
+        None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+              "\"prompt_lookup_min\": 2}'; steps run synchronously with it")
     preemption_mode: str = _flag("recompute", "swap: preempted requests' blocks go to host memory "
                                               "(--swap-space GiB) and come back", PREEMPTION_MODES)
     swap_space: float = _flag(4.0, "GiB of host memory for swapped blocks (with --preemption-mode swap)")
@@ -278,6 +287,13 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        self.resolved_speculative_config()
+
+    def resolved_speculative_config(self):
+        """The parsed `speculative_config` (a SpeculativeConfig), or None; ValueError names a bad key."""
+        from jaxpaged.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_user(self.speculative_config)
 
     def resolved_async_scheduling(self) -> bool:
         """The flag; unset, on: never slower where measured (2-core CPU: 13% faster on a host-bound tiny model,

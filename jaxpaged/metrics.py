@@ -78,6 +78,14 @@ class EngineMetrics:
         self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Sequences that verified draft tokens.", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position.", ["position"],
+                                             registry=r)
+        self._spec = [0, 0, 0]  # drafts, draft tokens, accepted (for the log line)
+        self._last_spec = [0, 0, 0]
         hist = lambda name, doc: BatchHistogram(p + name, doc, _LATENCY_BUCKETS, r)  # noqa: E731
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a request.")
@@ -113,6 +121,18 @@ class EngineMetrics:
         self.kv_usage.set(kv_usage)
         self._running, self._waiting, self._kv_usage = running, waiting, kv_usage
 
+    def observe_speculation(self, *, drafts: int, draft_tokens: int, accepted: int,
+                            accepted_per_pos: tuple[int, ...]) -> None:
+        """Record one step's draft verification (speculative decoding)."""
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted.inc(accepted)
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(n)
+        for j, v in enumerate((drafts, draft_tokens, accepted)):
+            self._spec[j] += v
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
@@ -132,3 +152,9 @@ class EngineMetrics:
             100 * self._kv_usage, 100 * hits / queries if queries else 0.0,
         )
         self._last_log, self._last_prompt, self._last_gen = now, prompt, gen
+        drafts, tokens, accepted = (a - b for a, b in zip(self._spec, self._last_spec))
+        if drafts:
+            logger.info("speculative decoding: mean acceptance length %.2f, draft acceptance rate %.1f%% "
+                        "(%d drafts, %d draft tokens)", 1 + accepted / drafts, 100 * accepted / max(tokens, 1),
+                        drafts, tokens)
+        self._last_spec = list(self._spec)

@@ -61,6 +61,11 @@ class Request:
     # Held requests (beam search): a step computes their tokens and logprobs but appends no token; the
     # owner appends the next token itself.
     hold_output: bool = False
+    # Speculative decoding: draft tokens proposed for the next step (the scheduler takes them), and how many
+    # drafts this request had verified and accepted so far.
+    spec_token_ids: list[int] | tuple = ()
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Sibling samples (n > 1) forked from this request once its prompt is computed, sharing its blocks.
     pending_forks: list[Request] = field(default_factory=list)
 

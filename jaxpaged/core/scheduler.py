@@ -69,6 +69,9 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
+    # speculative decoding: index in `requests` -> the draft tokens the step verifies after the request's last
+    # token (they are the last of its num_new_tokens; it draws after the last accepted one)
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, req: Request, n: int, start: int, samples: bool, block_ids: list[int] | None = None,
             new_block_ids: list[int] | None = None) -> None:
@@ -253,6 +256,11 @@ class Scheduler:
             if n <= 0:  # a held request waiting for its owner's token, one at its limit with a token in flight,
                 i += 1  # or a prompt with no prefill budget left
                 continue
+            drafts = req.spec_token_ids
+            if drafts:  # (speculative decoding) a decode verifies its drafts in the same step
+                req.spec_token_ids = ()
+                drafts = drafts[: budget - 1] if n == 1 and not placeholders else ()
+                n += len(drafts)
             # In place (the common case, a decode): the tokens fall in one block the request holds alone and fill
             # no block to cache, so `allocate_slots` would do nothing (checked here: it runs for every request).
             blocks = req_blocks.get(req.request_id)
@@ -272,7 +280,9 @@ class Scheduler:
                     req.needs_full_table = False
                 elif new:
                     out.new_block_ids[len(out.requests)] = [b.block_id for b in new]
-            samples = computed + n == end
+            samples = computed + n - len(drafts) == end
+            if drafts:
+                out.spec_tokens[len(out.requests)] = drafts
             add_req(req)
             add_n(n)
             add_start(computed)
@@ -340,7 +350,7 @@ class Scheduler:
         for r in self.running:
             if (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
                     - r.num_computed_tokens) == 1:
-                decodes += 1
+                decodes += 1 + len(r.spec_token_ids)
         if not decodes:
             return budget
         decodes = min(decodes, budget)
@@ -426,11 +436,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req, front=front)
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids) -> list[tuple[int, Request, int]]:
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids,
+                           accepted: dict[int, list[int]] | None = None) -> list[tuple[int, Request, int]]:
         """Resolve the placeholders of `out`'s sampling requests with their tokens; apply the stop rules; free
         the requests that finished.
 
         `sampled_token_ids[i]` is the token drawn for `out.requests[i]` (ignored where it draws none).
+        `accepted[i]` (speculative decoding): the drafts of request i the step accepted, which come before its
+        drawn token; the rejected ones are rolled back (no longer computed; their KV is overwritten later).
         Returns (index in out.requests, request, token) for each request that got a token (held requests
         included: their owner appends it). Tokens of requests that ended meanwhile (abort, stop string, an earlier stop while this
         step was in flight) are dropped.
@@ -448,6 +461,9 @@ class Scheduler:
             token = tokens[i]
             if req.hold_output:
                 results.append((i, req, token))
+                continue
+            if accepted is not None and i in out.spec_tokens:
+                stopped |= self._take_speculated(req, i, out.spec_tokens[i], accepted[i], token, results)
                 continue
             if req.pending_forks and req.status == RequestStatus.RUNNING:
                 # the prompt is computed: siblings fork, each to recompute the last prompt token
@@ -472,6 +488,25 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if not r.finished]
         return results
+
+    def _take_speculated(self, req: Request, i: int, drafts: list[int], accepted: list[int], token: int,
+                         results: list) -> bool:
+        """Append a verified request's accepted drafts and its drawn token, stopping at the first that ends it;
+        roll back the rejected drafts. Returns whether a running request stopped."""
+        req.num_computed_tokens -= len(drafts) - len(accepted)
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_tokens += len(accepted)
+        for t in (*accepted, token):
+            req.output_token_ids.append(t)
+            results.append((i, req, t))
+            status = self._check_stop(req, t)
+            if status is not None:
+                running = req.status == RequestStatus.RUNNING
+                if not running:
+                    self.waiting.remove(req)
+                self._finish(req, status)
+                return running
+        return False
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params

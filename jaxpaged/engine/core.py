@@ -20,6 +20,7 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
+from jaxpaged.spec_decode.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ class StepStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled: tuple[Request, ...] = ()
+    # speculative decoding: sequences that verified drafts, their draft tokens, the accepted ones, and the
+    # accepted count at each draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class EngineCore:
@@ -49,7 +56,12 @@ class EngineCore:
                                                num_host_blocks=cc.num_host_blocks)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self.runner = ModelRunner(config, model, stub=stub, structured=structured)
-        self.async_scheduling = config.async_scheduling
+        self.speculative = config.speculative
+        # Drafts are proposed from known tokens, and a step's accepted count decides where the next one starts:
+        # with speculative decoding, each step's results come in before the next is scheduled.
+        self.async_scheduling = config.async_scheduling and self.speculative is None
+        if config.async_scheduling and self.speculative is not None:
+            logger.info("Speculative decoding: steps run synchronously (async scheduling is off)")
         self._in_flight: StepHandle | None = None
         self.last_stats = StepStats()
 
@@ -110,15 +122,60 @@ class EngineCore:
                 if rows and start == len(req.prompt_logprob_rows):  # (a recompute adds none)
                     req.prompt_logprob_rows.extend(rows)
         stats.num_prompt_tokens = result.num_prompt_tokens
-        advanced = self.scheduler.update_from_output(out, result.token_ids)
+        advanced = self.scheduler.update_from_output(out, result.token_ids, result.accepted)
         lp = result.logprobs
         if lp is not None:
+            position: dict[int, int] = {}  # (speculative decoding: a request's tokens this step, in order)
             for i, req, _ in advanced:
                 if (k := req.sampling_params.logprobs) is not None:
-                    req.output_logprobs.append((float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(),
-                                                lp[3][i, :k].tolist()))
+                    at = i
+                    if result.accepted is not None:
+                        position[i] = j = position.get(i, -1) + 1
+                        at = (i, j)
+                    req.output_logprobs.append((float(lp[0][at]), int(lp[1][at]), lp[2][at][:k].tolist(),
+                                                lp[3][at][:k].tolist()))
         for _, req, token in advanced:
             if req.grammar_matcher is not None and not req.status.finished:
                 self._advance_grammar(req, token)
         stats.num_generation_tokens = len(advanced)
-        return [(req, token, req.status.finished) for _, req, token in advanced]
+        if self.speculative is not None:
+            self._propose_drafts()
+        if result.accepted is None:
+            return [(req, token, req.status.finished) for _, req, token in advanced]
+        self._count_speculation(out, result.accepted, stats)
+        last = {id(req): n for n, (_, req, _) in enumerate(advanced)}  # only a request's last token ends it
+        return [(req, token, req.status.finished and last[id(req)] == n) for n, (_, req, token) in enumerate(advanced)]
+
+    def _count_speculation(self, out: SchedulerOutput, accepted: dict[int, list[int]], stats: StepStats) -> None:
+        per_pos = [0] * self.speculative.num_speculative_tokens
+        for i, drafts in out.spec_tokens.items():
+            stats.spec_num_drafts += 1
+            stats.spec_num_draft_tokens += len(drafts)
+            stats.spec_num_accepted_tokens += len(accepted[i])
+            for j in range(len(accepted[i])):
+                per_pos[j] += 1
+        stats.spec_accepted_per_pos = tuple(per_pos)
+
+    def can_speculate(self, req: Request) -> bool:
+        """Whether drafts may be verified for `req`: not when each position's logits depend on the tokens before
+        it beyond the model (penalties, bias rows, min_tokens, a grammar) or a beam's owner picks its tokens."""
+        p = req.sampling_params
+        return (not req.hold_output and req.grammar_matcher is None and not p.needs_penalties
+                and not p.needs_bias_row and req.num_output_tokens >= p.min_tokens)
+
+    def _propose_drafts(self) -> None:
+        """n-gram drafts for every running request about to decode, within its max_tokens and max_model_len."""
+        spec, sc, batch = self.speculative, self.config.scheduler_config, self.runner.batch
+        for req in self.scheduler.running:
+            req.spec_token_ids = ()
+            n = req.num_tokens
+            if req.num_computed_tokens != n - 1 or req.num_output_placeholders or req.batch_row < 0:
+                continue
+            room = min(spec.num_speculative_tokens, sc.max_model_len - n - 1)
+            if (m := req.sampling_params.max_tokens) is not None:
+                room = min(room, m - req.num_output_tokens - 1)
+            if room <= 0 or not self.can_speculate(req):
+                continue
+            drafts = propose_ngram(batch.token_ids[req.batch_row, :n], room, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max)
+            req.spec_token_ids = drafts.tolist()

@@ -80,6 +80,14 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     peak_kv_blocks_used: int = 0
+    spec_num_drafts: int = 0  # speculative decoding: sequences that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying sequence emitted per step on average (accepted drafts + 1), None without drafts."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 class LLMEngine:
@@ -153,6 +161,7 @@ class LLMEngine:
             sampler_backend=sampler_backend,
             share_forked_blocks=args.share_forked_blocks,
             async_scheduling=args.resolved_async_scheduling(),
+            speculative=args.resolved_speculative_config(),
         )
         return cls(config, tokenizer, model, stub=stub)
 
@@ -304,5 +313,11 @@ class LLMEngine:
                        preemptions=step.num_preemptions, running=self.scheduler.num_running,
                        waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
                        prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens)
+        if step.spec_num_drafts:
+            self.stats.spec_num_drafts += step.spec_num_drafts
+            self.stats.spec_num_draft_tokens += step.spec_num_draft_tokens
+            self.stats.spec_num_accepted_tokens += step.spec_num_accepted_tokens
+            m.observe_speculation(drafts=step.spec_num_drafts, draft_tokens=step.spec_num_draft_tokens,
+                                  accepted=step.spec_num_accepted_tokens, accepted_per_pos=step.spec_accepted_per_pos)
         m.maybe_log()
 

@@ -32,8 +32,9 @@ from jaxpaged.runner.block_transfer import BlockTransfer
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
-from jaxpaged.sampler import sample, token_logprobs
+from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.spec_decode.rejection import verify_drafts
 from jaxpaged.structured.bitmask import apply_token_bitmask
 from jaxpaged.structured.manager import StructuredOutputManager
 
@@ -97,8 +98,49 @@ def _step(graphdef, logprobs_mode, sampler_backend, packer: StepPacker, state, k
     hidden, kv_pool = model(token_ids, kv_pool, inp.attn)
     logits = apply_token_bitmask(model.compute_logits(hidden[inp.logits_indices]), bitmask)  # [S, V]
     out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode, backend=sampler_backend)
-    last_token = last_token.at[inp.draw_rows].set(out.token_ids, mode="drop")
-    return kv_pool, row_state, last_token, out, prompt_logprobs(model, hidden, inp.next_prompt_ids)
+    spec = None
+    if inp.draft_tokens.shape[1]:  # speculative decoding configured (K > 0): verify the drafts, if any
+        spec = jax.lax.cond(jnp.any(inp.draft_tokens >= 0), partial(verified, model, hidden, inp),
+                            partial(no_drafts, inp.draft_tokens.shape[1]), out)
+    final = out.token_ids if spec is None else jnp.take_along_axis(spec[0], spec[1][:, None] - 1, axis=1)[:, 0]
+    last_token = last_token.at[inp.draw_rows].set(final, mode="drop")
+    return kv_pool, row_state, last_token, (out, spec), prompt_logprobs(model, hidden, inp.next_prompt_ids)
+
+
+def verified(model, hidden, inp, out: SamplerOutput):
+    """The tokens each sequence emits after verifying its drafts (`verify_drafts`), and the logprob information
+    of each: (emitted [S, K+1], count [S], logprob [S, K+1], rank [S, K+1], top ids and logprobs [S, K+1, M])."""
+    s, k = inp.draft_tokens.shape
+    draft_logits = model.compute_logits(hidden[inp.draft_indices.reshape(-1)])  # [S*K, V]
+    emitted, count = verify_drafts(draft_logits.reshape(s, k, -1), inp.draft_tokens, out.token_ids, inp.sampling)
+    num_drafts = jnp.sum(inp.draft_tokens >= 0, axis=1)
+
+    def logprobs(_):  # of each emitted token: under its draft position's logits, or the bonus row's
+        tokens = jnp.maximum(emitted[:, :k], 0).reshape(-1)
+        lp, rank, top_ids, top_lp = (x.reshape(s, k, *x.shape[1:]) for x in token_logprobs(draft_logits, tokens))
+        at_bonus = (jnp.arange(k + 1) == num_drafts[:, None])
+        pick = lambda d, b: jnp.where(at_bonus.reshape(s, k + 1, *([1] * (d.ndim - 2))),  # noqa: E731
+                                      jnp.broadcast_to(b[:, None], (s, k + 1, *b.shape[1:])),
+                                      jnp.concatenate([d, d[:, :1]], axis=1))
+        return (pick(lp, out.logprob), pick(rank, out.rank), pick(top_ids, out.top_ids),
+                pick(top_lp, out.top_logprobs))
+
+    lps = jax.lax.cond(jnp.any(inp.sampling.num_logprobs >= 0), logprobs, lambda _: _spread(out, k), None)
+    return (emitted, count, *lps)
+
+
+def _spread(out: SamplerOutput, k: int):
+    """The step's logprob information as that of the first of K+1 emitted tokens per sequence."""
+    def widen(x):
+        return jnp.concatenate([x[:, None], jnp.zeros((x.shape[0], k, *x.shape[1:]), x.dtype)], axis=1)
+    return widen(out.logprob), widen(out.rank), widen(out.top_ids), widen(out.top_logprobs)
+
+
+def no_drafts(k: int, out: SamplerOutput):
+    """`verified`'s results for a step without drafts: each sequence emits its drawn token."""
+    s = out.token_ids.shape[0]
+    emitted = jnp.concatenate([out.token_ids[:, None], jnp.full((s, k), -1, jnp.int32)], axis=1)
+    return (emitted, jnp.ones(s, jnp.int32), *_spread(out, k))
 
 
 def prompt_logprobs(model, hidden, next_ids):
@@ -145,6 +187,8 @@ class StepResult:
     num_prompt_tokens: int  # prompt tokens the step computed
     logprobs: tuple | None  # (logprob [n], rank [n], top ids [n, K], top logprobs [n, K]) when asked
     prompt_logprobs: list | None  # per request: [(token, logprob, rank, top ids, top logprobs)] or None
+    accepted: dict[int, list[int]] | None = None  # speculative decoding: per request index, its accepted drafts
+    # (they come before token_ids[i]; logprobs then have a position axis: [n, K+1, ...])
 
 
 class ModelRunner:
@@ -165,6 +209,7 @@ class ModelRunner:
         self.geometry = StepGeometry(cc.block_size, cc.num_blocks, -(-width // chunk_blocks) * chunk_blocks)
         self.buckets = sc.token_buckets()
         self.num_rows = sc.max_num_seqs
+        self.spec_width = config.num_speculative_tokens  # K: drafts a sequence may verify per step
         self.batch = InputBatch(self.num_rows, sc.max_model_len, self.geometry.table_width)
         self._packers = {t: StepPacker(self._template(t)) for t in self.buckets}
         self.mask_width = (config.model_config.vocab_size + 31) // 32
@@ -188,7 +233,7 @@ class ModelRunner:
     def _template(self, t: int):
         empty = np.zeros(0, np.int32)
         inp, _ = build_step_input(self.batch, empty, empty, empty, np.zeros(0, bool), t, self._num_seqs(t),
-                                  self.geometry, np.zeros(self.num_rows, bool))
+                                  self.geometry, np.zeros(self.num_rows, bool), spec_width=self.spec_width)
         return inp
 
     def _jitted(self, t: int):
@@ -257,11 +302,22 @@ class ModelRunner:
         start = np.array(out.starts, np.int32)
         samples = np.array(out.samples, bool)
         t = pick_token_bucket(self.buckets, int(n.sum()))
-        inp, plan = build_step_input(batch, rows, n, start, samples, t, self._num_seqs(t), self.geometry, reset)
+        num_drafts = self._write_drafts(out) if out.spec_tokens else None
+        inp, plan = build_step_input(batch, rows, n, start, samples, t, self._num_seqs(t), self.geometry, reset,
+                                     num_drafts, self.spec_width)
         ints, floats = self._packers[t].pack(inp)
         matchers = [(req.grammar_matcher, j) for j, (i, draws) in enumerate(zip(plan.order, plan.samples))
                     if draws and (req := requests[i]).grammar_matcher is not None]
         return PreparedStep(out, plan, t, ints, floats, matchers)
+
+    def _write_drafts(self, out: SchedulerOutput) -> np.ndarray:
+        """Put each request's drafts in its batch row after its known tokens; returns drafts per request."""
+        num_drafts = np.zeros(len(out.requests), np.int32)
+        for i, drafts in out.spec_tokens.items():
+            row, at = out.requests[i].batch_row, out.starts[i] + out.num_new_tokens[i] - len(drafts)
+            self.batch.token_ids[row, at : at + len(drafts)] = drafts
+            num_drafts[i] = len(drafts)
+        return num_drafts
 
     def dispatch(self, prep: PreparedStep) -> StepHandle:
         """Fill the structured-output masks (from the matchers as they are now) and dispatch the step."""
@@ -294,18 +350,20 @@ class ModelRunner:
     def fetch(self, handle: StepHandle) -> StepResult:
         """Wait for a dispatched step and bring its results to the host, in scheduler order."""
         plan, count = handle.plan, len(handle.plan.order)
+        if plan.num_drafts is not None:
+            return self._fetch_verified(handle)
         if self.stub:
             drawn = handle.result
         else:
-            drawn = np.asarray(jax.device_get(handle.result.token_ids))[:count]
+            drawn = np.asarray(jax.device_get(handle.result[0].token_ids))[:count]
         keep = plan.samples & ~self.batch.held[plan.rows]  # (a beam's owner picks its token)
         self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
         tokens = np.full(count, -1, np.int32)
         tokens[plan.order] = np.where(plan.samples, drawn, -1)
         logprobs = None
         if plan.wants_logprobs and not self.stub:
-            r = jax.device_get((handle.result.logprob, handle.result.rank, handle.result.top_ids,
-                                handle.result.top_logprobs))
+            res = handle.result[0]
+            r = jax.device_get((res.logprob, res.rank, res.top_ids, res.top_logprobs))
             logprobs = tuple(np.empty_like(x[:count]) for x in r)
             for dst, src in zip(logprobs, r):
                 dst[plan.order] = src[:count]
@@ -313,6 +371,38 @@ class ModelRunner:
         if plan.wants_prompt_logprobs and not self.stub:
             prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
         return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp)
+
+    def _fetch_verified(self, handle: StepHandle) -> StepResult:
+        """`fetch` for a step that verified drafts: each request's accepted drafts, then its drawn token (the
+        residual draw at the first rejection, or the bonus token); logprob arrays get a position axis [n, K+1]."""
+        plan, out, count = handle.plan, handle.out, len(handle.plan.order)
+        if self.stub:  # every draft rejected: each request emits the step's token 7
+            emitted = np.full((count, self.spec_width + 1), -1, np.int32)
+            emitted[:, 0] = handle.result
+            counts = np.ones(count, np.int32)
+        else:
+            emitted, counts = (np.asarray(x)[:count] for x in jax.device_get(handle.result[1][:2]))
+        for j, (row, draws, gen, pos, c) in enumerate(zip(plan.rows, plan.samples, plan.generations,
+                                                          plan.draw_positions, counts)):
+            if draws and not self.batch.held[row]:  # the tokens land from the first draft's position on
+                first = pos - plan.num_drafts[j]
+                self.batch.record_tokens(np.full(c, row), np.arange(first, first + c), emitted[j, :c],
+                                         np.full(c, gen))
+        tokens = np.full(count, -1, np.int32)
+        last = emitted[np.arange(count), counts - 1]
+        tokens[plan.order] = np.where(plan.samples, last, -1)
+        accepted = {int(i): emitted[j, : counts[j] - 1].tolist() for j, i in enumerate(plan.order)
+                    if i in out.spec_tokens}
+        logprobs = None
+        if plan.wants_logprobs and not self.stub:
+            r = jax.device_get(handle.result[1][2:])
+            logprobs = tuple(np.empty_like(x[:count]) for x in r)
+            for dst, src in zip(logprobs, r):
+                dst[plan.order] = src[:count]
+        prompt_lp = None
+        if plan.wants_prompt_logprobs and not self.stub:
+            prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
+        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp, accepted)
 
     @staticmethod
     def _split_prompt_logprobs(handle: StepHandle, prompt_lp) -> list:

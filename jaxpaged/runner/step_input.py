@@ -32,6 +32,10 @@ class StepInput:
     next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
     draw_rows: Int[Array, "S"]  # the batch row whose drawn token the device keeps; R where the step draws none
     sampling: SamplingMetadata
+    # speculative decoding (K = num_speculative_tokens, 0 without): for each sequence's draft j, the flat index
+    # of the token before it (whose logits verify it), and the draft token (-1: none)
+    draft_indices: Int[Array, "S K"]
+    draft_tokens: Int[Array, "S K"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class StepPlan:
     wants_logprobs: bool
     wants_prompt_logprobs: bool
     next_prompt_ids: np.ndarray  # [T] (host copy, to split prompt logprobs per request)
+    num_drafts: np.ndarray | None = None  # [n] draft tokens each sequence verifies (None: no drafts this step)
 
 
 def step_order(start: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -74,11 +79,13 @@ def step_order(start: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: np.ndarray, samples: np.ndarray,
-                     num_tokens: int, num_seqs: int, geo: StepGeometry, reset_rows: np.ndarray
-                     ) -> tuple[StepInput, StepPlan]:
+                     num_tokens: int, num_seqs: int, geo: StepGeometry, reset_rows: np.ndarray,
+                     num_drafts: np.ndarray | None = None, spec_width: int = 0) -> tuple[StepInput, StepPlan]:
     """Numpy inputs for sequences (batch `rows`, `n` tokens from `start`, `samples`: draws a token), in
     scheduler order, laid out in `step_order` and padded to `num_tokens` tokens and `num_seqs` rows.
-    `reset_rows` [R] marks rows handed to a request this step (its processor state is cleared)."""
+    `reset_rows` [R] marks rows handed to a request this step (its processor state is cleared).
+    `num_drafts` [n]: how many of each sequence's tokens are drafts to verify (written in the batch's rows
+    after its known tokens); `spec_width` = K, the most drafts a sequence may have."""
     order = step_order(start, n)
     rows_o, n_o, start_o, samples_o = rows[order], n[order], start[order], samples[order]
     s_real, t_real = len(order), int(n_o.sum())
@@ -86,8 +93,20 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
 
     ends = np.cumsum(n_o)
     tok_row = np.repeat(rows_o, n_o)
-    tok_pos = (np.arange(t_real) - np.repeat(ends - n_o, n_o) + np.repeat(start_o, n_o)).astype(np.int32)
+    tok_idx = np.arange(t_real) - np.repeat(ends - n_o, n_o)  # index of each token within its sequence
+    tok_pos = (tok_idx + np.repeat(start_o, n_o)).astype(np.int32)
     prompt_len = batch.prompt_len[tok_row]
+    draft_indices = np.zeros((num_seqs, spec_width), np.int32)
+    draft_tokens = np.full((num_seqs, spec_width), -1, np.int32)
+    drafts_o = None
+    if num_drafts is not None:
+        drafts_o = num_drafts[order]
+        j = np.arange(spec_width)[None, :]
+        has = j < drafts_o[:, None]  # [s, K]
+        first = (ends - 1 - drafts_o)[:, None]  # the sequence's last known token: verifies draft 0
+        draft_indices[:s_real] = np.where(has, first + j, 0)
+        pos = np.minimum(start_o[:, None] + n_o[:, None] - drafts_o[:, None] + j, batch.token_ids.shape[1] - 1)
+        draft_tokens[:s_real] = np.where(has, batch.token_ids[rows_o[:, None], pos], -1)
 
     def padded(values, size, fill, dtype):
         out = np.full(size, fill, dtype)
@@ -95,7 +114,10 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
         return out
 
     token_ids = padded(batch.token_ids[tok_row, tok_pos], num_tokens, 0, np.int32)
-    from_device = padded(tok_pos >= batch.num_known[tok_row], num_tokens, False, bool)
+    from_device = tok_pos >= batch.num_known[tok_row]
+    if drafts_o is not None:  # drafts are written on the host, never drawn on the device
+        from_device &= tok_idx < np.repeat(n_o - drafts_o, n_o)
+    from_device = padded(from_device, num_tokens, False, bool)
     slots = batch.block_table[tok_row, tok_pos // bs] * bs + tok_pos % bs
     decode = np.repeat((n_o == 1) & (start_o > 0), n_o)
     wants_plp = batch.prompt_logprobs[tok_row] & (tok_pos + 1 < prompt_len)
@@ -138,13 +160,15 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
                 frequency_penalty=per_seq(batch.frequency_penalty, 0.0, np.float32),
                 min_p=per_seq(batch.min_p, 0.0, np.float32), use_bias=per_seq(batch.use_bias, False, bool),
                 suppress_stop=padded(draw_index < batch.min_tokens[rows_o], num_seqs, False, bool))),
+        draft_indices=draft_indices,
+        draft_tokens=draft_tokens,
     )
     plan = StepPlan(order=order, rows=rows_o, generations=batch.generation[rows_o],
                     draw_positions=start_o + n_o, samples=samples_o,
                     num_prompt_tokens=int(np.clip(np.minimum(start_o + n_o, batch.prompt_len[rows_o]) - start_o,
                                                   0, None).sum()),
                     wants_logprobs=bool((batch.num_logprobs[rows_o][samples_o] >= 0).any()),
-                    wants_prompt_logprobs=bool(wants_plp.any()), next_prompt_ids=next_prompt)
+                    wants_prompt_logprobs=bool(wants_plp.any()), next_prompt_ids=next_prompt, num_drafts=drafts_o)
     return inp, plan
 
 

@@ -1,0 +1,62 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` dict, validated before the model loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP = 5  # prompt_lookup_min/max when neither is given (vLLM's)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram prompt lookup (vLLM's names): propose the `num_speculative_tokens` tokens that followed the most
+    recent earlier occurrence of the request's last n tokens, trying n from prompt_lookup_max down to
+    prompt_lookup_min."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Parse `speculative_config` (a dict, or its JSON text from the CLI); ValueError names the bad key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            hint = " (draft models are not supported yet: method 'ngram' only)" if "model" in unknown else ""
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}{hint}")
+        method = value.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}"
+                             + (" (draft models are not supported yet)" if method in ("draft_model", "eagle")
+                                else ""))
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        k = value["num_speculative_tokens"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if lo is None and hi is None:  # vLLM's defaults; either bound alone sets both
+            lo = hi = DEFAULT_LOOKUP
+        lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+        return cls(method, k, hi, lo)

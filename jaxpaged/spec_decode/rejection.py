@@ -1,0 +1,75 @@
+"""Verification of draft tokens inside the jitted step: rejection sampling that keeps the target distribution.
+
+A draft token d proposed with certainty (n-gram drafts are deterministic, q = one-hot) is accepted with
+probability min(1, p(d) / q(d)) = p(d) under the target distribution p (after temperature, min-p, top-k and
+top-p, exactly as the sampler draws); on rejection the token is drawn from the residual max(0, p - q), which
+is p without d, renormalized. So each emitted token is distributed as p, and greedy rows accept exactly when
+the draft is the argmax. The first rejected position ends the row's tokens; when every draft is accepted the
+step's ordinary draw at the last draft (the bonus token) follows them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.logits_processors import apply_min_p
+from jaxpaged.sampler import SamplingMetadata
+from pallas_kernels.sampling import categorical_from_uniform, first_argmax, top_k_top_p_mask
+
+_ACCEPT, _RESIDUAL = 1, 2  # fold_in tags: the acceptance uniform and the residual draw of one position
+
+
+def target_logits(x: Float[Array, "N V"], temperature, top_k, top_p, min_p) -> Float[Array, "N V"]:
+    """Tempered logits with everything the sampler would never draw set to -inf (the sampler's filters)."""
+    v = x.shape[-1]
+    greedy = temperature <= 0
+    scaled = x.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
+    scaled = jax.lax.cond(jnp.any(min_p > 0), apply_min_p, lambda y, _: y, scaled, min_p)
+    needs_filter = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+    return jax.lax.cond(needs_filter, top_k_top_p_mask, lambda y, *_: y, scaled, top_k, top_p)
+
+
+def verify_drafts(draft_logits: Float[Array, "S K V"], draft_tokens: Int[Array, "S K"], bonus: Int[Array, "S"],
+                  meta: SamplingMetadata) -> tuple[Int[Array, "S K1"], Int[Array, "S"]]:
+    """The tokens each row emits: its accepted drafts, then the residual draw at the first rejection, or the
+    bonus token when all were accepted. Returns (emitted [S, K + 1], -1 past the end; count [S] >= 1).
+
+    draft_logits[s, j]: the target's logits for the position of draft j (computed at the token before it);
+    draft_tokens -1 where a row has fewer drafts (a row without drafts emits its bonus token only).
+    """
+    s, k, v = draft_logits.shape
+    per_pos = lambda a: jnp.repeat(a, k)  # noqa: E731  a row's setting at each of its K positions
+    p = meta.processors
+    x = target_logits(draft_logits.reshape(s * k, v), per_pos(meta.temperature), per_pos(meta.top_k),
+                      per_pos(meta.top_p), per_pos(p.min_p))  # [S*K, V]
+    valid = draft_tokens >= 0
+    num_drafts = valid.sum(axis=1)
+    d = jnp.maximum(draft_tokens, 0).reshape(-1)
+    greedy = per_pos(meta.temperature <= 0)
+
+    # the output index each position draws, for its random key: the bonus draws at `steps`
+    steps = meta.steps[:, None] - num_drafts[:, None] + jnp.arange(k)[None, :]  # [S, K]
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(per_pos(meta.seeds),
+                                                                                   steps.reshape(-1))
+    u_accept = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _ACCEPT)))(keys)  # [0, 1)
+    u_draw = 1.0 - jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _RESIDUAL)))(keys)  # (0, 1]
+
+    logp = jax.nn.log_softmax(x, axis=-1)
+    p_draft = jnp.exp(jnp.take_along_axis(logp, d[:, None], axis=-1)[:, 0])
+    weights = jnp.exp(x - x.max(axis=-1, keepdims=True))
+    residual = jnp.where(jnp.arange(v)[None, :] == d[:, None], 0.0, weights)  # p without the draft
+    argmax = first_argmax(x)
+    accept = jnp.where(greedy, argmax == d, u_accept < p_draft).reshape(s, k) & valid
+    recovered = jnp.where(greedy, argmax, categorical_from_uniform(residual, u_draw)).reshape(s, k)
+
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts [S]
+    last = jnp.where(num_accepted < num_drafts,
+                     jnp.take_along_axis(recovered, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0],
+                     bonus)
+    col = jnp.arange(k + 1)[None, :]
+    drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)
+    emitted = jnp.where(col < num_accepted[:, None], drafts, jnp.where(col == num_accepted[:, None], last[:, None],
+                                                                       -1))
+    return emitted.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
