@@ -66,6 +66,7 @@ class Request:
     spec_token_ids: list[int] | tuple = ()
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_draft_rejections: int = 0  # verifications that ended at a rejected draft
     # Sibling samples (n > 1) forked from this request once its prompt is computed, sharing its blocks.
     pending_forks: list[Request] = field(default_factory=list)
 

@@ -13,7 +13,13 @@ import json
 import logging
 import time
 
-from jaxpaged.bench.workload import BenchRequest, parse_range, random_token_workload, shared_prefix_workload
+from jaxpaged.bench.workload import (
+    BenchRequest,
+    copy_workload,
+    parse_range,
+    random_token_workload,
+    shared_prefix_workload,
+)
 from jaxpaged.config import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,13 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
                        compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
                        prefix_cache_queried_tokens=kv.num_queried_tokens,
                        async_scheduling=eng.config.async_scheduling)
+    if eng.config.speculative is not None:
+        st = eng.stats
+        result.update(speculative_config=vars(eng.config.speculative), spec_num_drafts=st.spec_num_drafts,
+                      spec_num_draft_tokens=st.spec_num_draft_tokens,
+                      spec_num_accepted_tokens=st.spec_num_accepted_tokens,
+                      spec_mean_acceptance_length=st.mean_acceptance_length,
+                      spec_draft_acceptance_rate=st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1))
     if structured_fraction:
         so = eng.structured
         result.update(structured_fraction=structured_fraction, mask_rows=so.mask_rows,
@@ -178,6 +191,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-structured", type=float, default=None, metavar="FRACTION",
                    help="run jaxpaged with no request constrained, then with FRACTION of them constrained to a "
                         "JSON schema (structured output), and compare; reports the host mask cost")
+    p.add_argument("--compare-speculative", default=None, metavar="JSON",
+                   help="run jaxpaged without, then with this speculative_config (e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}'), and compare; reports the mean acceptance length")
+    p.add_argument("--workload", choices=["random", "copy"], default="random",
+                   help="random: random-token prompts (--input-len, --output-len); copy: chat prompts asking to "
+                        "repeat a paragraph word for word (output: its length, capped by the upper --output-len)")
     p.add_argument("--vllm-python", default=None,
                    help="with --compare vllm: the python of a venv with vLLM installed (run in a subprocess)")
     p.add_argument("--output-json", default="bench_results/throughput.json")
@@ -195,6 +214,8 @@ def main(ns: argparse.Namespace) -> list[dict]:
         prefix_len, suffix_len = int(prefix), int(suffix or 0)
         reqs = shared_prefix_workload(ns.num_prompts, prefix_len, suffix_len, parse_range(ns.output_len)[1],
                                       len(tok), ns.seed, set(tok.all_special_ids))
+    elif ns.workload == "copy":
+        reqs = copy_workload(ns.num_prompts, tok, ns.seed, parse_range(ns.output_len)[1])
     else:
         reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), parse_range(ns.output_len),
                                      len(tok), ns.seed, set(tok.all_special_ids))
@@ -232,6 +253,18 @@ def main(ns: argparse.Namespace) -> list[dict]:
                                         ns.temperature))
         if ns.temperature == 0:
             assert results[0]["token_ids"] == results[1]["token_ids"], "async scheduling changed greedy outputs"
+        return _report(results, ns)
+    if ns.compare_speculative is not None:
+        import dataclasses
+
+        for config in (None, ns.compare_speculative):
+            args = dataclasses.replace(engine_args, speculative_config=config)
+            results.append(run_jaxpaged(reqs, args, ns.n, "jaxpaged speculative" if config else "jaxpaged",
+                                        ns.temperature))
+        ratio = results[1]["output_tokens_per_s"] / results[0]["output_tokens_per_s"]
+        print(f"speculative / plain output tokens/s: {ratio:.2f}x; mean acceptance length "
+              f"{results[1]['spec_mean_acceptance_length'] or 0:.2f} tokens per verifying step "
+              f"(draft acceptance {results[1]['spec_draft_acceptance_rate']:.1%})")
         return _report(results, ns)
     if ns.compare_structured is not None:
         for fraction in (0.0, ns.compare_structured):

@@ -43,3 +43,32 @@ def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: int, o
     prefix = rng.choice(allowed, size=prefix_len).tolist()
     return [BenchRequest(prefix + rng.choice(allowed, size=suffix_len).tolist(), output_len)
             for _ in range(num_prompts)]
+
+
+def _passages(min_words: int = 40) -> list[str]:
+    """English paragraphs shipped with the package (its modules' docstrings), for copy workloads."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        out += [" ".join(p.split()) for p in doc.split("\n\n") if len(p.split()) >= min_words]
+    return out
+
+
+def copy_workload(num_prompts: int, tokenizer, seed: int, max_output_len: int = 256) -> list[BenchRequest]:
+    """Chat prompts asking to repeat a paragraph word for word (what n-gram speculation is for); each request
+    generates as many tokens as the paragraph has, capped at `max_output_len`."""
+    rng = np.random.default_rng(seed)
+    passages = _passages()
+    out = []
+    for i in rng.permutation(len(passages))[:num_prompts].tolist() * (num_prompts // len(passages) + 1):
+        text = passages[i]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat the following text word for word.\n\n{text}"}],
+            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        n_out = min(len(tokenizer.encode(text, add_special_tokens=False)), max_output_len)
+        out.append(BenchRequest(list(ids), n_out))
+    return out[:num_prompts]

@@ -496,6 +496,7 @@ class Scheduler:
         req.num_computed_tokens -= len(drafts) - len(accepted)
         req.num_draft_tokens += len(drafts)
         req.num_accepted_tokens += len(accepted)
+        req.num_draft_rejections += len(accepted) < len(drafts)
         for t in (*accepted, token):
             req.output_token_ids.append(t)
             results.append((i, req, t))

@@ -11,6 +11,7 @@ have one more token computed in step N+1, which is dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
+from jaxpaged.spec_decode.budget import DraftBudget
 from jaxpaged.spec_decode.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
@@ -62,11 +64,27 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and self.speculative is None
         if config.async_scheduling and self.speculative is not None:
             logger.info("Speculative decoding: steps run synchronously (async scheduling is off)")
+        self.draft_budget = (DraftBudget(self.runner.buckets)
+                             if self.speculative is not None and self.speculative.adaptive else None)
         self._in_flight: StepHandle | None = None
+        self._dispatched_at = 0.0
         self.last_stats = StepStats()
 
     def warmup(self) -> float:
-        return self.runner.warmup()
+        seconds = self.runner.warmup()
+        if self.draft_budget is not None:  # the step time of each bucket drafts may fill
+            sc = self.config.scheduler_config
+            start = time.perf_counter()
+            most = min(sc.max_num_batched_tokens, sc.max_num_seqs * (1 + self.speculative.num_speculative_tokens))
+            times = self.runner.time_buckets(most)
+            for bucket, (plain, verifying) in times.items():
+                self.draft_budget.observe_step(bucket, plain, False)
+                self.draft_budget.observe_step(bucket, verifying, True)
+            logger.info("Timed %d step buckets for the draft budget in %.1f s (ms without / with drafts): %s",
+                        len(times), time.perf_counter() - start,
+                        ", ".join(f"{b}: {1e3 * p:.1f} / {1e3 * v:.1f}" for b, (p, v) in times.items()))
+            seconds += time.perf_counter() - start
+        return seconds
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request runs or waits. (A step may still be in flight: its results concern only
@@ -87,6 +105,7 @@ class EngineCore:
                 and prepared is not None and prepared.constrained):
             outputs = self._take_results(self._in_flight, stats)
             self._in_flight = None
+        self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
         stats.num_preemptions = len(out.preempted_ids)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
@@ -116,6 +135,9 @@ class EngineCore:
 
     def _take_results(self, handle: StepHandle, stats: StepStats) -> list[CoreOutput]:
         result = self.runner.fetch(handle)
+        if self.draft_budget is not None:
+            self.draft_budget.observe_step(handle.bucket, time.perf_counter() - self._dispatched_at,
+                                           handle.plan.num_drafts is not None)
         out: SchedulerOutput = handle.out
         if result.prompt_logprobs is not None:
             for req, start, rows in zip(out.requests, out.starts, result.prompt_logprobs):
@@ -149,6 +171,8 @@ class EngineCore:
     def _count_speculation(self, out: SchedulerOutput, accepted: dict[int, list[int]], stats: StepStats) -> None:
         per_pos = [0] * self.speculative.num_speculative_tokens
         for i, drafts in out.spec_tokens.items():
+            if self.draft_budget is not None:
+                self.draft_budget.observe_verification(len(drafts), len(accepted[i]))
             stats.spec_num_drafts += 1
             stats.spec_num_draft_tokens += len(drafts)
             stats.spec_num_accepted_tokens += len(accepted[i])
@@ -166,11 +190,14 @@ class EngineCore:
     def _propose_drafts(self) -> None:
         """n-gram drafts for every running request about to decode, within its max_tokens and max_model_len."""
         spec, sc, batch = self.speculative, self.config.scheduler_config, self.runner.batch
+        proposing, decodes, prefill = [], 0, 0
         for req in self.scheduler.running:
             req.spec_token_ids = ()
             n = req.num_tokens
             if req.num_computed_tokens != n - 1 or req.num_output_placeholders or req.batch_row < 0:
+                prefill += max(n - req.num_computed_tokens, 0)
                 continue
+            decodes += 1
             room = min(spec.num_speculative_tokens, sc.max_model_len - n - 1)
             if (m := req.sampling_params.max_tokens) is not None:
                 room = min(room, m - req.num_output_tokens - 1)
@@ -179,3 +206,11 @@ class EngineCore:
             drafts = propose_ngram(batch.token_ids[req.batch_row, :n], room, spec.prompt_lookup_min,
                                    spec.prompt_lookup_max)
             req.spec_token_ids = drafts.tolist()
+            if drafts.size:
+                proposing.append(req)
+        if self.draft_budget is not None and proposing:
+            cap = sc.max_prefill_tokens_with_decodes or sc.max_num_batched_tokens
+            if prefill < cap:
+                prefill += sum(r.num_tokens for r in itertools.islice(self.scheduler.waiting, 16))
+            base = decodes + min(prefill, cap, sc.max_num_batched_tokens - decodes)
+            self.draft_budget.trim(base, proposing, sc.max_num_batched_tokens)

@@ -11,6 +11,7 @@ taken from the device's last-token row, so steps can follow each other without a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -84,9 +85,10 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, logprobs_mode, sampler_backend, packer: StepPacker, state, kv_pool, row_state: RowState,
-          last_token, ints, floats, bitmask):
-    """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence.
+def _step(graphdef, logprobs_mode, sampler_backend, spec_width: int, packer: StepPacker, state, kv_pool,
+          row_state: RowState, last_token, ints, floats, bitmask):
+    """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence
+    (with speculative decoding, verify each sequence's drafts: it emits 1 to K + 1 tokens).
 
     bitmask [S, ceil(V / 32)] int32: the tokens each sequence row may draw (structured output; all ones = free).
     """
@@ -99,31 +101,35 @@ def _step(graphdef, logprobs_mode, sampler_backend, packer: StepPacker, state, k
     logits = apply_token_bitmask(model.compute_logits(hidden[inp.logits_indices]), bitmask)  # [S, V]
     out = sample(logits, row_state, inp.sampling, logprobs_mode=logprobs_mode, backend=sampler_backend)
     spec = None
-    if inp.draft_tokens.shape[1]:  # speculative decoding configured (K > 0): verify the drafts, if any
-        spec = jax.lax.cond(jnp.any(inp.draft_tokens >= 0), partial(verified, model, hidden, inp),
-                            partial(no_drafts, inp.draft_tokens.shape[1]), out)
+    if inp.draft_tokens.shape[0]:  # speculative decoding configured: verify the drafts, if any
+        k = spec_width
+        spec = jax.lax.cond(jnp.any(inp.draft_tokens >= 0), partial(verified, model, hidden, inp, k),
+                            partial(no_drafts, k), out)
     final = out.token_ids if spec is None else jnp.take_along_axis(spec[0], spec[1][:, None] - 1, axis=1)[:, 0]
     last_token = last_token.at[inp.draw_rows].set(final, mode="drop")
     return kv_pool, row_state, last_token, (out, spec), prompt_logprobs(model, hidden, inp.next_prompt_ids)
 
 
-def verified(model, hidden, inp, out: SamplerOutput):
+def verified(model, hidden, inp, k: int, out: SamplerOutput):
     """The tokens each sequence emits after verifying its drafts (`verify_drafts`), and the logprob information
-    of each: (emitted [S, K+1], count [S], logprob [S, K+1], rank [S, K+1], top ids and logprobs [S, K+1, M])."""
-    s, k = inp.draft_tokens.shape
-    draft_logits = model.compute_logits(hidden[inp.draft_indices.reshape(-1)])  # [S*K, V]
-    emitted, count = verify_drafts(draft_logits.reshape(s, k, -1), inp.draft_tokens, out.token_ids, inp.sampling)
-    num_drafts = jnp.sum(inp.draft_tokens >= 0, axis=1)
+    of each: (emitted [S, K+1], count [S], logprob [S, K+1], rank [S, K+1], top ids and logprobs [S, K+1, M]).
+    Only the D draft entries go through the LM head (D = min(T, S * K))."""
+    s = out.token_ids.shape[0]
+    draft_logits = model.compute_logits(hidden[inp.draft_indices])  # [D, V]
+    emitted, count = verify_drafts(draft_logits, inp.draft_tokens, inp.draft_seq, inp.draft_pos, out.token_ids,
+                                   inp.sampling, k)
+    rows = jnp.where(inp.draft_tokens >= 0, inp.draft_seq, s)  # padding entries scatter out of range
+    num_drafts = jnp.zeros(s, jnp.int32).at[rows].add(1, mode="drop")
 
     def logprobs(_):  # of each emitted token: under its draft position's logits, or the bonus row's
-        tokens = jnp.maximum(emitted[:, :k], 0).reshape(-1)
-        lp, rank, top_ids, top_lp = (x.reshape(s, k, *x.shape[1:]) for x in token_logprobs(draft_logits, tokens))
-        at_bonus = (jnp.arange(k + 1) == num_drafts[:, None])
+        tokens = jnp.maximum(emitted[jnp.minimum(inp.draft_seq, s - 1), inp.draft_pos], 0)  # [D]
+        grid = lambda x: jnp.zeros((s, k + 1, *x.shape[1:]), x.dtype).at[rows, inp.draft_pos].set(  # noqa: E731
+            x, mode="drop")
+        at_bonus = jnp.arange(k + 1) == num_drafts[:, None]  # [S, K+1]
         pick = lambda d, b: jnp.where(at_bonus.reshape(s, k + 1, *([1] * (d.ndim - 2))),  # noqa: E731
-                                      jnp.broadcast_to(b[:, None], (s, k + 1, *b.shape[1:])),
-                                      jnp.concatenate([d, d[:, :1]], axis=1))
-        return (pick(lp, out.logprob), pick(rank, out.rank), pick(top_ids, out.top_ids),
-                pick(top_lp, out.top_logprobs))
+                                      jnp.broadcast_to(b[:, None], d.shape), d)
+        return tuple(pick(grid(d), b) for d, b in zip(token_logprobs(draft_logits, tokens),
+                                                      (out.logprob, out.rank, out.top_ids, out.top_logprobs)))
 
     lps = jax.lax.cond(jnp.any(inp.sampling.num_logprobs >= 0), logprobs, lambda _: _spread(out, k), None)
     return (emitted, count, *lps)
@@ -161,6 +167,7 @@ class StepHandle:
     result: object  # SamplerOutput of device arrays (or numpy, for the stub)
     prompt_lp: object
     constrained: bool = False  # some row drew under a structured-output mask
+    bucket: int = 0  # the step's token bucket
 
 
 @dataclass
@@ -238,7 +245,7 @@ class ModelRunner:
 
     def _jitted(self, t: int):
         return jax.jit(partial(_step, self.graphdef, self.config.logprobs_mode, self.config.sampler_backend,
-                               self._packers[t]), donate_argnums=(1, 2, 3))
+                               self.spec_width, self._packers[t]), donate_argnums=(1, 2, 3))
 
     def warmup(self) -> float:
         """Compile the step for every token bucket (ahead of time); returns seconds spent."""
@@ -258,6 +265,35 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
+
+    def time_buckets(self, up_to: int) -> dict[int, tuple[float, float]]:
+        """Seconds a step of each token bucket up to `up_to` takes without and with drafts to verify (an empty
+        step: the shapes are fixed, so it costs nearly what a full one does; its writes go to the pad slot and its
+        tokens to no row)."""
+        if self.stub:
+            return {}
+
+        def run(t: int, ints, floats) -> float:
+            start = time.perf_counter()
+            self.kv_pool, self.row_state, self.last_token, result, _ = self._compiled[t](
+                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats, self._free_mask(t))
+            jax.block_until_ready(result)
+            return time.perf_counter() - start
+
+        times = {}
+        for t in self.buckets:
+            template = self._template(t)
+            with_draft = dataclasses.replace(template, draft_tokens=template.draft_tokens.copy())
+            with_draft.draft_tokens[:1] = 0  # one (padding) draft: the step takes its verifying branch
+            pair = []
+            for inp in (template, with_draft):
+                packed = self._packers[t].pack(inp)
+                first = run(t, *packed)  # (a first run pays for warming up: time a second unless it is long)
+                pair.append(run(t, *packed) if first < 0.3 else first)
+            times[t] = tuple(pair)
+            if t >= up_to:
+                break
+        return times
 
     # -- a step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepHandle | None:
@@ -328,7 +364,7 @@ class ModelRunner:
             self.structured.fill_bitmask(bitmask, prep.matchers)
         if self.stub:
             return StepHandle(prep.out, prep.plan, np.full(len(prep.plan.order), 7, np.int32), None,
-                              prep.constrained)
+                              prep.constrained, t)
         step = self._compiled.get(t)
         if step is None:
             if self.config.compile_guard:
@@ -337,7 +373,7 @@ class ModelRunner:
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             self.kv_pool, self.row_state, self.last_token, result, prompt_lp = step(
                 self.state, self.kv_pool, self.row_state, self.last_token, prep.ints, prep.floats, bitmask)
-        return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained)
+        return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained, t)
 
     def _free_mask(self, t: int) -> jax.Array | np.ndarray:
         rows = self._num_seqs(t)

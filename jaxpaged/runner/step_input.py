@@ -32,10 +32,12 @@ class StepInput:
     next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
     draw_rows: Int[Array, "S"]  # the batch row whose drawn token the device keeps; R where the step draws none
     sampling: SamplingMetadata
-    # speculative decoding (K = num_speculative_tokens, 0 without): for each sequence's draft j, the flat index
-    # of the token before it (whose logits verify it), and the draft token (-1: none)
-    draft_indices: Int[Array, "S K"]
-    draft_tokens: Int[Array, "S K"]
+    # speculative decoding, D = min(T, S * K) draft entries (K = num_speculative_tokens; D = 0 without): draft j of
+    # sequence s, the flat index of the token before it (whose logits verify it); token -1 = padding
+    draft_indices: Int[Array, "D"]
+    draft_tokens: Int[Array, "D"]
+    draft_seq: Int[Array, "D"]
+    draft_pos: Int[Array, "D"]
 
 
 @dataclass(frozen=True)
@@ -96,17 +98,20 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
     tok_idx = np.arange(t_real) - np.repeat(ends - n_o, n_o)  # index of each token within its sequence
     tok_pos = (tok_idx + np.repeat(start_o, n_o)).astype(np.int32)
     prompt_len = batch.prompt_len[tok_row]
-    draft_indices = np.zeros((num_seqs, spec_width), np.int32)
-    draft_tokens = np.full((num_seqs, spec_width), -1, np.int32)
+    num_entries = min(num_tokens, num_seqs * spec_width)
+    draft_indices = np.zeros(num_entries, np.int32)
+    draft_tokens = np.full(num_entries, -1, np.int32)
+    draft_seq = np.zeros(num_entries, np.int32)
+    draft_pos = np.zeros(num_entries, np.int32)
     drafts_o = None
     if num_drafts is not None:
         drafts_o = num_drafts[order]
-        j = np.arange(spec_width)[None, :]
-        has = j < drafts_o[:, None]  # [s, K]
-        first = (ends - 1 - drafts_o)[:, None]  # the sequence's last known token: verifies draft 0
-        draft_indices[:s_real] = np.where(has, first + j, 0)
-        pos = np.minimum(start_o[:, None] + n_o[:, None] - drafts_o[:, None] + j, batch.token_ids.shape[1] - 1)
-        draft_tokens[:s_real] = np.where(has, batch.token_ids[rows_o[:, None], pos], -1)
+        m = int(drafts_o.sum())
+        seq = np.repeat(np.arange(s_real, dtype=np.int32), drafts_o)
+        j = np.arange(m) - np.repeat(np.cumsum(drafts_o) - drafts_o, drafts_o)  # index of each draft in its sequence
+        first = ends[seq] - 1 - drafts_o[seq]  # the sequence's last known token: its logits verify draft 0
+        draft_indices[:m], draft_seq[:m], draft_pos[:m] = first + j, seq, j
+        draft_tokens[:m] = batch.token_ids[rows_o[seq], start_o[seq] + n_o[seq] - drafts_o[seq] + j]
 
     def padded(values, size, fill, dtype):
         out = np.full(size, fill, dtype)
@@ -160,8 +165,7 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
                 frequency_penalty=per_seq(batch.frequency_penalty, 0.0, np.float32),
                 min_p=per_seq(batch.min_p, 0.0, np.float32), use_bias=per_seq(batch.use_bias, False, bool),
                 suppress_stop=padded(draw_index < batch.min_tokens[rows_o], num_seqs, False, bool))),
-        draft_indices=draft_indices,
-        draft_tokens=draft_tokens,
+        draft_indices=draft_indices, draft_tokens=draft_tokens, draft_seq=draft_seq, draft_pos=draft_pos,
     )
     plan = StepPlan(order=order, rows=rows_o, generations=batch.generation[rows_o],
                     draw_positions=start_o + n_o, samples=samples_o,

@@ -21,6 +21,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = DEFAULT_LOOKUP
     prompt_lookup_min: int = DEFAULT_LOOKUP
+    # jaxpaged's own key: verify only the drafts that raise the step's tokens per second (spec_decode/budget.py);
+    # False: every proposed draft, as vLLM does
+    adaptive: bool = True
 
     @classmethod
     def from_user(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -34,7 +37,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({e.msg}): {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"}
         unknown = sorted(set(value) - known)
         if unknown:
             hint = " (draft models are not supported yet: method 'ngram' only)" if "model" in unknown else ""
@@ -59,4 +62,7 @@ class SpeculativeConfig:
         lo, hi = lo if lo is not None else hi, hi if hi is not None else lo
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo)
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, hi, lo, adaptive)

@@ -31,45 +31,49 @@ def target_logits(x: Float[Array, "N V"], temperature, top_k, top_p, min_p) -> F
     return jax.lax.cond(needs_filter, top_k_top_p_mask, lambda y, *_: y, scaled, top_k, top_p)
 
 
-def verify_drafts(draft_logits: Float[Array, "S K V"], draft_tokens: Int[Array, "S K"], bonus: Int[Array, "S"],
-                  meta: SamplingMetadata) -> tuple[Int[Array, "S K1"], Int[Array, "S"]]:
-    """The tokens each row emits: its accepted drafts, then the residual draw at the first rejection, or the
-    bonus token when all were accepted. Returns (emitted [S, K + 1], -1 past the end; count [S] >= 1).
+def verify_drafts(draft_logits: Float[Array, "D V"], draft_tokens: Int[Array, "D"], draft_seq: Int[Array, "D"],
+                  draft_pos: Int[Array, "D"], bonus: Int[Array, "S"], meta: SamplingMetadata, k: int
+                  ) -> tuple[Int[Array, "S K1"], Int[Array, "S"]]:
+    """The tokens each sequence emits: its accepted drafts, then the residual draw at the first rejection, or the
+    bonus token when all were accepted. Returns (emitted [S, k + 1], -1 past the end; count [S] >= 1).
 
-    draft_logits[s, j]: the target's logits for the position of draft j (computed at the token before it);
-    draft_tokens -1 where a row has fewer drafts (a row without drafts emits its bonus token only).
+    Drafts come flat (D entries, -1 tokens for padding): draft j of sequence s, with the target's logits for its
+    position (computed at the token before it). A sequence without drafts emits its bonus token only.
     """
-    s, k, v = draft_logits.shape
-    per_pos = lambda a: jnp.repeat(a, k)  # noqa: E731  a row's setting at each of its K positions
+    s = bonus.shape[0]
     p = meta.processors
-    x = target_logits(draft_logits.reshape(s * k, v), per_pos(meta.temperature), per_pos(meta.top_k),
-                      per_pos(meta.top_p), per_pos(p.min_p))  # [S*K, V]
+    seq = jnp.minimum(draft_seq, s - 1)
+    x = target_logits(draft_logits, meta.temperature[seq], meta.top_k[seq], meta.top_p[seq], p.min_p[seq])  # [D, V]
     valid = draft_tokens >= 0
-    num_drafts = valid.sum(axis=1)
-    d = jnp.maximum(draft_tokens, 0).reshape(-1)
-    greedy = per_pos(meta.temperature <= 0)
+    rows = jnp.where(valid, draft_seq, s)  # padding scatters out of range (dropped)
+    on_grid = lambda values, fill: jnp.full((s, k), fill, values.dtype).at[rows, draft_pos].set(  # noqa: E731
+        values, mode="drop")  # [D] -> [S, k]
+    tokens_sk = on_grid(draft_tokens, -1)
+    num_drafts = jnp.sum(tokens_sk >= 0, axis=1)
+    d = jnp.maximum(draft_tokens, 0)
 
-    # the output index each position draws, for its random key: the bonus draws at `steps`
-    steps = meta.steps[:, None] - num_drafts[:, None] + jnp.arange(k)[None, :]  # [S, K]
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(per_pos(meta.seeds),
-                                                                                   steps.reshape(-1))
+    # each position's random key from the output index it draws (the bonus draws at `steps`)
+    steps = meta.steps[seq] - num_drafts[seq] + draft_pos
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(meta.seeds[seq], steps)
     u_accept = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _ACCEPT)))(keys)  # [0, 1)
     u_draw = 1.0 - jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _RESIDUAL)))(keys)  # (0, 1]
 
+    v = x.shape[-1]
     logp = jax.nn.log_softmax(x, axis=-1)
     p_draft = jnp.exp(jnp.take_along_axis(logp, d[:, None], axis=-1)[:, 0])
     weights = jnp.exp(x - x.max(axis=-1, keepdims=True))
     residual = jnp.where(jnp.arange(v)[None, :] == d[:, None], 0.0, weights)  # p without the draft
     argmax = first_argmax(x)
-    accept = jnp.where(greedy, argmax == d, u_accept < p_draft).reshape(s, k) & valid
-    recovered = jnp.where(greedy, argmax, categorical_from_uniform(residual, u_draw)).reshape(s, k)
+    greedy = meta.temperature[seq] <= 0
+    accept = on_grid(jnp.where(greedy, argmax == d, u_accept < p_draft) & valid, False)
+    recovered = on_grid(jnp.where(greedy, argmax, categorical_from_uniform(residual, u_draw)).astype(jnp.int32), -1)
 
     num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts [S]
     last = jnp.where(num_accepted < num_drafts,
                      jnp.take_along_axis(recovered, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0],
                      bonus)
     col = jnp.arange(k + 1)[None, :]
-    drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)
+    drafts = jnp.pad(tokens_sk, ((0, 0), (0, 1)), constant_values=-1)
     emitted = jnp.where(col < num_accepted[:, None], drafts, jnp.where(col == num_accepted[:, None], last[:, None],
                                                                        -1))
     return emitted.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)

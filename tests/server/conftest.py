@@ -48,9 +48,11 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str):
-    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, API_KEY), stopped on exit."""
-    server = LiveServer(AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **ENGINE_ARGS)), API_KEY)
+def serving(model_dir: str, **engine_args):
+    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY), stopped on
+    exit."""
+    args = EngineArgs(model=model_dir, **{**ENGINE_ARGS, **engine_args})
+    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY)
     try:
         yield server
     finally:

@@ -8,7 +8,8 @@ from scipy import stats
 
 from jaxpaged import LLM, SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "adaptive": False}  # every draft verified (the draft budget is tested on its own)
 ENGINE = dict(max_num_batched_tokens=128, num_kv_blocks=256, compile_guard=True)
 
 

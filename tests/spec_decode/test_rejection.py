@@ -8,7 +8,8 @@ from scipy import stats
 
 from jaxpaged.logits_processors import ProcessorInputs
 from jaxpaged.sampler import SamplingMetadata
-from jaxpaged.spec_decode.rejection import target_logits, verify_drafts
+from jaxpaged.spec_decode import rejection
+from jaxpaged.spec_decode.rejection import target_logits
 
 V = 8
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
@@ -25,6 +26,13 @@ def meta(s: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, steps=5):
                                    presence_penalty=f(0.0, jnp.float32), frequency_penalty=f(0.0, jnp.float32),
                                    min_p=f(min_p, jnp.float32), use_bias=jnp.zeros(s, bool),
                                    suppress_stop=jnp.zeros(s, bool)))
+
+
+def verify_drafts(logits, drafts, bonus, m):
+    """`rejection.verify_drafts` on a [S, K] grid of drafts, laid out flat as the step does."""
+    s, k = drafts.shape
+    return rejection.verify_drafts(jnp.reshape(logits, (s * k, -1)), jnp.reshape(drafts, -1),
+                                   jnp.repeat(jnp.arange(s), k), jnp.tile(jnp.arange(k), s), bonus, m, k)
 
 
 def target_probs(**kw) -> np.ndarray:

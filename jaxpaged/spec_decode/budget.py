@@ -1,0 +1,88 @@
+"""`DraftBudget`: how many proposed draft tokens a step verifies, chosen to raise the step's tokens per second.
+
+A draft token costs compute whether or not it is accepted. Where a step is bound by reading the weights (small
+batches; a GPU below its compute limit), extra tokens are nearly free and every likely draft pays; where it is
+bound by compute (a CPU, or a large batch), a draft pays only if it is accepted often enough. The budget keeps
+the drafts that maximize (tokens the step yields) / (the step's time): the step's own tokens plus each draft's
+chance of acceptance (a request's conditional acceptance rate a, compounding: position j is kept with a^(j+1)),
+over the time of the token bucket they fill (timed once per bucket at startup, then a running average of what
+steps actually take).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from jaxpaged.request import Request
+
+PRIOR_ACCEPTANCE = 0.5  # a request's conditional acceptance rate before any of its drafts were verified
+PRIOR_WEIGHT = 2.0  # pseudo-verifications the prior is worth (shrinks a new request's rate toward the global one)
+STEP_TIME_DECAY = 0.9  # running average of observed step times, per bucket
+
+
+class DraftBudget:
+    """Step times per token bucket, acceptance rates, and the choice of drafts for a step."""
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = list(buckets)
+        # token bucket -> seconds a step of it takes, without drafts and verifying some (their LM-head rows)
+        self.step_seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        self.accepted = 0  # accepted drafts over all requests
+        self.rejections = 0  # verifications that ended at a rejected draft
+
+    # -- what is measured -------------------------------------------------------------------
+    def observe_step(self, bucket: int, seconds: float, with_drafts: bool) -> None:
+        table = self.step_seconds[with_drafts]
+        old = table.get(bucket)
+        table[bucket] = seconds if old is None else STEP_TIME_DECAY * old + (1 - STEP_TIME_DECAY) * seconds
+
+    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted += num_accepted
+        self.rejections += num_accepted < num_drafts
+
+    def acceptance(self, req: Request) -> float:
+        """The request's estimated probability that a draft is accepted given the ones before it were."""
+        judged = self.accepted + self.rejections
+        prior = (self.accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (judged + PRIOR_WEIGHT)
+        mine = req.num_accepted_tokens + req.num_draft_rejections
+        return (req.num_accepted_tokens + PRIOR_WEIGHT * prior) / (mine + PRIOR_WEIGHT)
+
+    def seconds(self, tokens: int, with_drafts: bool) -> float:
+        """Estimated time of a step of `tokens` tokens: its bucket's, or past the timed buckets, linear in tokens."""
+        table = self.step_seconds[with_drafts]
+        i = bisect.bisect_left(self.buckets, tokens)
+        bucket = self.buckets[min(i, len(self.buckets) - 1)]
+        if bucket in table:
+            return table[bucket]
+        known = [b for b in table if b <= bucket]
+        if not known:
+            return 0.0
+        b = max(known)
+        return table[b] * max(tokens, b) / b
+
+    # -- the choice ---------------------------------------------------------------------------
+    def trim(self, base_tokens: int, proposals: list[Request], max_tokens: int) -> int:
+        """Cut each proposing request's `spec_token_ids` to the drafts worth verifying in a step that computes
+        `base_tokens` tokens anyway (at most `max_tokens` in all). Returns the draft tokens kept."""
+        if not self.step_seconds[True]:  # (not timed: keep every draft)
+            return sum(len(r.spec_token_ids) for r in proposals)
+        chances = []  # (probability of acceptance, request index)
+        for i, req in enumerate(proposals):
+            a, p = self.acceptance(req), 1.0
+            for _ in req.spec_token_ids:
+                p *= a
+                chances.append((p, i))
+        chances.sort(key=lambda c: -c[0])
+        room = max(0, min(len(chances), max_tokens - base_tokens))
+        best, best_rate, gain = 0, base_tokens / max(self.seconds(base_tokens, False), 1e-9), 0.0
+        for d in range(1, room + 1):
+            gain += chances[d - 1][0]
+            rate = (base_tokens + gain) / max(self.seconds(base_tokens + d, True), 1e-9)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        keep = [0] * len(proposals)
+        for _, i in chances[:best]:
+            keep[i] += 1
+        for req, k in zip(proposals, keep):
+            req.spec_token_ids = req.spec_token_ids[:k]
+        return best

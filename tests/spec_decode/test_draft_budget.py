@@ -1,0 +1,79 @@
+"""`DraftBudget`: drafts are kept exactly when they raise the step's expected tokens per second."""
+
+from jaxpaged.request import Request
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode.budget import DraftBudget
+
+BUCKETS = [16, 32, 64, 128]
+
+
+def requests(count: int, drafts: int, accepted: int = 0, rejections: int = 0) -> list[Request]:
+    out = []
+    for i in range(count):
+        r = Request(str(i), [1, 2, 3], SamplingParams(), seed=0, spec_token_ids=list(range(drafts)))
+        r.num_accepted_tokens, r.num_draft_rejections = accepted, rejections
+        out.append(r)
+    return out
+
+
+def budget(times: dict[int, float], verify_extra: float = 0.0) -> DraftBudget:
+    b = DraftBudget(BUCKETS)
+    for bucket, t in times.items():
+        b.observe_step(bucket, t, False)
+        b.observe_step(bucket, t + verify_extra, True)
+    return b
+
+
+def test_untimed_budget_keeps_every_draft():
+    reqs = requests(4, 3)
+    assert DraftBudget(BUCKETS).trim(4, reqs, 128) == 12
+    assert all(len(r.spec_token_ids) == 3 for r in reqs)
+
+
+def test_flat_step_times_keep_every_draft():
+    """Bound by reading weights: a bigger step costs the same, so any chance of acceptance pays."""
+    reqs = requests(8, 4)
+    assert budget({16: 0.01, 32: 0.01, 64: 0.01}).trim(8, reqs, 128) == 32
+    assert all(len(r.spec_token_ids) == 4 for r in reqs)
+
+
+def test_compute_bound_steps_keep_only_drafts_likely_enough():
+    """A draft pays only if its chance of acceptance beats the tokens/s the bigger step displaces."""
+    linear = {16: 0.016, 32: 0.032, 64: 0.064, 128: 0.128}
+    good = requests(16, 4, accepted=200, rejections=2)  # almost always accepted
+    assert budget(linear).trim(16, good, 128) == 0  # time linear in tokens: nothing short of certainty pays
+    sublinear = {16: 0.016, 32: 0.021, 64: 0.04, 128: 0.08}  # 16 more tokens cost 30% more
+    poor = requests(16, 4, accepted=1, rejections=30)  # rarely accepted
+    assert budget(sublinear).trim(16, poor, 128) == 0
+    assert all(len(r.spec_token_ids) == 0 for r in poor)
+    good = requests(16, 4, accepted=200, rejections=2)
+    # 64 tokens: 2.5x the time of 16 for ~3.9x the tokens; 128 would double the time again for < 2x
+    assert budget(sublinear).trim(16, good, 128) == 48
+    assert all(len(r.spec_token_ids) == 3 for r in good)
+
+
+def test_drafts_fill_the_bucket_the_step_already_pays_for():
+    """A step of 9 tokens runs in the 16-token bucket: 7 drafts ride along for free, the likeliest first (each
+    request's first draft before anyone's second)."""
+    reqs = requests(9, 4, accepted=10, rejections=10)
+    kept = budget({16: 0.016, 32: 0.032, 64: 0.064}).trim(9, reqs, 128)
+    assert kept == 7
+    assert sorted(len(r.spec_token_ids) for r in reqs) == [0, 0] + [1] * 7
+
+
+def test_verification_cost_is_counted():
+    """Verifying drafts costs extra LM-head rows: at equal step times with and without drafts, drafts in the
+    bucket ride free; when verifying costs half a step more, unlikely drafts are dropped."""
+    reqs = requests(9, 1, accepted=1, rejections=20)
+    assert budget({16: 0.016, 32: 0.032}).trim(9, reqs, 128) == 7
+    reqs = requests(9, 1, accepted=1, rejections=20)
+    assert budget({16: 0.016, 32: 0.032}, verify_extra=0.008).trim(9, reqs, 128) == 0
+
+
+def test_acceptance_estimate_shrinks_to_the_global_rate():
+    b = DraftBudget(BUCKETS)
+    for _ in range(50):
+        b.observe_verification(4, 4)  # the engine's drafts are usually accepted
+    new, bad = requests(1, 4)[0], requests(1, 4, accepted=0, rejections=40)[0]
+    assert b.acceptance(new) > 0.9
+    assert b.acceptance(bad) < 0.1
