@@ -150,7 +150,7 @@ class OutputProcessor:
                 first.append(now - req.arrival_time)
                 if req.first_scheduled_time is not None:
                     queued.append(req.first_scheduled_time - req.arrival_time)
-            else:
+            elif last != now:  # (speculative decoding: a step's later tokens of a request are not new gaps)
                 between.append(now - last)
             req.last_token_time = now
             sample.num_tokens += 1

@@ -63,3 +63,22 @@ def test_last_logits_match_hf(smollm2, hf_smollm2):
         worst = max(worst, float(np.abs(our_last_logits(model, ids) - hf_last_logits(hf_smollm2, ids)).max()))
     print(f"SmolLM2: max |logits - HF| = {worst:.2e}")
     assert worst < 1e-3
+
+
+def test_speculative_greedy_tokens_match_hf(smollm2, hf_smollm2):
+    """n-gram speculative decoding on prompts that ask to repeat a paragraph: the same greedy tokens as HF, with
+    most drafts accepted."""
+    from jaxpaged.bench.workload import copy_workload
+
+    path, _ = smollm2
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+            "adaptive": False}
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=128, max_model_len=512, compile_guard=True,
+              speculative_config=spec)
+    reqs = copy_workload(3, llm.get_tokenizer(), seed=0, max_output_len=40)
+    prompts = [r.prompt_token_ids for r in reqs]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    eos = llm.engine.config.model_config.eos_token_ids
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, p, 40, stop_at=eos)
+    assert llm.engine.stats.mean_acceptance_length > 2.5

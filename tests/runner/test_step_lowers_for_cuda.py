@@ -1,5 +1,6 @@
 """The engine's jitted step, in its GPU form (stacked layers, bf16 activations, Pallas attention and sampling,
-the structured-output bitmask argument), lowers for CUDA on a machine without a GPU."""
+the structured-output bitmask argument, speculative decoding's verification), lowers for CUDA on a machine
+without a GPU."""
 
 import dataclasses
 from functools import partial
@@ -9,11 +10,13 @@ import pytest
 from jaxpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
 from jaxpaged.runner.model_runner import ModelRunner, _step
+from jaxpaged.spec_decode import SpeculativeConfig
 from tests.kernels.cuda_lowering import lower_for_cuda
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_engine_step_lowers_for_cuda(arch, tiny_model_dir):
+@pytest.mark.parametrize("arch, speculative", [("llama", None), ("qwen2", None), ("llama", 3)],
+                         ids=["llama", "qwen2", "llama-speculative"])
+def test_engine_step_lowers_for_cuda(arch, speculative, tiny_model_dir):
     path = tiny_model_dir(arch)
     cfg = model_config_from_hf(path, load_hf_config(path), "bfloat16")
     cfg = dataclasses.replace(cfg, activation_dtype="bfloat16")  # what registry picks on a GPU
@@ -21,11 +24,13 @@ def test_engine_step_lowers_for_cuda(arch, tiny_model_dir):
     config = EngineConfig(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=32, dtype="bfloat16"),
                           scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                                            max_model_len=256),
-                          attention_backend="pallas", sampler_backend="pallas")
+                          attention_backend="pallas", sampler_backend="pallas",
+                          speculative=speculative and SpeculativeConfig(num_speculative_tokens=speculative))
     runner = ModelRunner(config, model)
     t = runner.buckets[-1]
     ints, floats = runner._packers[t].pack(runner._template(t))
-    step = partial(_step, runner.graphdef, config.logprobs_mode, config.sampler_backend, runner._packers[t])
+    step = partial(_step, runner.graphdef, config.logprobs_mode, config.sampler_backend, runner.spec_width,
+                   runner._packers[t])
     text = lower_for_cuda(step, runner.state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats,
                           runner._free_mask(t))
     assert "ragged_paged_attention" in text and "top_k_top_p" in text
