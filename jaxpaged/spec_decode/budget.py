@@ -18,6 +18,9 @@ from jaxpaged.request import Request
 PRIOR_ACCEPTANCE = 0.5  # a request's conditional acceptance rate before any of its drafts were verified
 PRIOR_WEIGHT = 2.0  # pseudo-verifications the prior is worth (shrinks a new request's rate toward the global one)
 STEP_TIME_DECAY = 0.9  # running average of observed step times, per bucket
+# Drafts must promise this much more than the step's own rate: step times are noisy, and when the batch runs to
+# its end (nothing waiting) tokens gained by some requests do not shorten the others.
+MIN_GAIN = 0.1
 
 
 class DraftBudget:
@@ -48,17 +51,17 @@ class DraftBudget:
         return (req.num_accepted_tokens + PRIOR_WEIGHT * prior) / (mine + PRIOR_WEIGHT)
 
     def seconds(self, tokens: int, with_drafts: bool) -> float:
-        """Estimated time of a step of `tokens` tokens: its bucket's, or past the timed buckets, linear in tokens."""
-        table = self.step_seconds[with_drafts]
+        """Estimated time of a step of `tokens` tokens: its bucket's, never less than a smaller bucket's (or, with
+        drafts, than the same step without them: timings are noisy); past the timed buckets, linear in tokens."""
         i = bisect.bisect_left(self.buckets, tokens)
         bucket = self.buckets[min(i, len(self.buckets) - 1)]
-        if bucket in table:
-            return table[bucket]
-        known = [b for b in table if b <= bucket]
-        if not known:
-            return 0.0
-        b = max(known)
-        return table[b] * max(tokens, b) / b
+        best, largest = 0.0, 0
+        tables = (self.step_seconds[False], self.step_seconds[True]) if with_drafts else (self.step_seconds[False],)
+        for table in tables:
+            for b, t in table.items():
+                if b <= bucket:
+                    best, largest = max(best, t), max(largest, b)
+        return best * max(tokens, largest) / largest if largest and bucket > largest else best
 
     # -- the choice ---------------------------------------------------------------------------
     def trim(self, base_tokens: int, proposals: list[Request], max_tokens: int) -> int:
@@ -74,12 +77,20 @@ class DraftBudget:
                 chances.append((p, i))
         chances.sort(key=lambda c: -c[0])
         room = max(0, min(len(chances), max_tokens - base_tokens))
-        best, best_rate, gain = 0, base_tokens / max(self.seconds(base_tokens, False), 1e-9), 0.0
-        for d in range(1, room + 1):
-            gain += chances[d - 1][0]
-            rate = (base_tokens + gain) / max(self.seconds(base_tokens + d, True), 1e-9)
+        # more drafts in the same bucket cost nothing more: try each bucket filled (or every draft kept)
+        best, best_rate = 0, (1 + MIN_GAIN) * base_tokens / max(self.seconds(base_tokens, False), 1e-9)
+        cumulative = [0.0]
+        for p, _ in chances[:room]:
+            cumulative.append(cumulative[-1] + p)
+        for bucket in self.buckets:
+            d = min(bucket - base_tokens, room)
+            if d <= 0:
+                continue
+            rate = (base_tokens + cumulative[d]) / max(self.seconds(base_tokens + d, True), 1e-9)
             if rate > best_rate:
                 best, best_rate = d, rate
+            if d == room:
+                break
         keep = [0] * len(proposals)
         for _, i in chances[:best]:
             keep[i] += 1
