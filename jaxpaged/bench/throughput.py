@@ -64,7 +64,7 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
                        kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
                        compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
                        prefix_cache_queried_tokens=kv.num_queried_tokens,
-                       async_scheduling=eng.config.async_scheduling)
+                       async_scheduling=eng.core.async_scheduling)
     if eng.config.speculative is not None:
         st = eng.stats
         result.update(speculative_config=vars(eng.config.speculative), spec_num_drafts=st.spec_num_drafts,
