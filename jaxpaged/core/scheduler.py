@@ -270,6 +270,10 @@ class Scheduler:
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
                 copies = len(kv.pending_copies)
                 new = kv.allocate_slots(req, n)
+                if new is None and drafts:  # the drafts do not fit: verify none rather than preempt for them
+                    n -= len(drafts)
+                    drafts = ()
+                    new = kv.allocate_slots(req, n)
                 if new is None:
                     victim = self._pick_victim(start=i)
                     self._preempt(victim, out)
@@ -494,6 +498,10 @@ class Scheduler:
         """Append a verified request's accepted drafts and its drawn token, stopping at the first that ends it;
         roll back the rejected drafts. Returns whether a running request stopped."""
         req.num_computed_tokens -= len(drafts) - len(accepted)
+        if req.pending_forks and req.status == RequestStatus.RUNNING:  # (drafts verified at the prompt's end)
+            for child in req.pending_forks:
+                self.fork(req, child, len(req.prompt_token_ids) - 1)
+            req.pending_forks = []
         req.num_draft_tokens += len(drafts)
         req.num_accepted_tokens += len(accepted)
         req.num_draft_rejections += len(accepted) < len(drafts)

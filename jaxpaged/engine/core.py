@@ -182,10 +182,11 @@ class EngineCore:
 
     def can_speculate(self, req: Request) -> bool:
         """Whether drafts may be verified for `req`: not when each position's logits depend on the tokens before
-        it beyond the model (penalties, bias rows, min_tokens, a grammar) or a beam's owner picks its tokens."""
+        it beyond the model (penalties, bias rows, min_tokens, a grammar) or a beam's owner picks its tokens; nor
+        while n > 1 siblings wait to fork from its first token."""
         p = req.sampling_params
-        return (not req.hold_output and req.grammar_matcher is None and not p.needs_penalties
-                and not p.needs_bias_row and req.num_output_tokens >= p.min_tokens)
+        return (not req.hold_output and not req.pending_forks and req.grammar_matcher is None
+                and not p.needs_penalties and not p.needs_bias_row and req.num_output_tokens >= p.min_tokens)
 
     def _propose_drafts(self) -> None:
         """n-gram drafts for every running request about to decode, within its max_tokens and max_model_len."""
