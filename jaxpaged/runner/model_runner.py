@@ -396,17 +396,8 @@ class ModelRunner:
         self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
         tokens = np.full(count, -1, np.int32)
         tokens[plan.order] = np.where(plan.samples, drawn, -1)
-        logprobs = None
-        if plan.wants_logprobs and not self.stub:
-            res = handle.result[0]
-            r = jax.device_get((res.logprob, res.rank, res.top_ids, res.top_logprobs))
-            logprobs = tuple(np.empty_like(x[:count]) for x in r)
-            for dst, src in zip(logprobs, r):
-                dst[plan.order] = src[:count]
-        prompt_lp = None
-        if plan.wants_prompt_logprobs and not self.stub:
-            prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
-        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp)
+        res = None if self.stub else handle.result[0]
+        return self._result(handle, tokens, lambda: (res.logprob, res.rank, res.top_ids, res.top_logprobs))
 
     def _fetch_verified(self, handle: StepHandle) -> StepResult:
         """`fetch` for a step that verified drafts: each request's accepted drafts, then its drawn token (the
@@ -429,9 +420,15 @@ class ModelRunner:
         tokens[plan.order] = np.where(plan.samples, last, -1)
         accepted = {int(i): emitted[j, : counts[j] - 1].tolist() for j, i in enumerate(plan.order)
                     if i in out.spec_tokens}
+        return self._result(handle, tokens, lambda: handle.result[1][2:], accepted)
+
+    def _result(self, handle: StepHandle, tokens: np.ndarray, logprob_arrays, accepted=None) -> StepResult:
+        """The StepResult of a fetched step: its tokens, and (when asked) the logprob arrays `logprob_arrays()`
+        names, brought to the host in scheduler order, and the prompt logprobs per request."""
+        plan, count = handle.plan, len(handle.plan.order)
         logprobs = None
         if plan.wants_logprobs and not self.stub:
-            r = jax.device_get(handle.result[1][2:])
+            r = jax.device_get(tuple(logprob_arrays()))
             logprobs = tuple(np.empty_like(x[:count]) for x in r)
             for dst, src in zip(logprobs, r):
                 dst[plan.order] = src[:count]
