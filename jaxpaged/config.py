@@ -70,6 +70,12 @@ class CacheConfig:
     dtype: str = "float32"  # the pool's dtype (resolved from kv_cache_dtype): a jnp dtype name
     enable_prefix_caching: bool = False
     num_host_blocks: int = 0  # host-memory blocks that swap preemption moves requests' blocks to
+    # offload tiers behind the prefix cache (kv_offload/): host-memory blocks for evicted cached blocks, and a
+    # folder of block files (with its byte budget and the model identity the files must carry)
+    offload_host_blocks: int = 0
+    offload_dir: str | None = None
+    offload_disk_bytes: int = 0
+    offload_identity: str = ""
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,13 @@ class EngineArgs:
     preemption_mode: str = _flag("recompute", "swap: preempted requests' blocks go to host memory "
                                               "(--swap-space GiB) and come back", PREEMPTION_MODES)
     swap_space: float = _flag(4.0, "GiB of host memory for swapped blocks (with --preemption-mode swap)")
+    kv_offload_host_gb: float = _flag(0.0, "GiB of host memory for KV blocks evicted from the device's prefix "
+                                           "cache; a later prompt with the same prefix loads them back instead of "
+                                           "recomputing (0: off)")
+    kv_offload_dir: str | None = _flag(None, "folder for a disk tier of evicted prefix blocks, behind the host "
+                                             "tier; it outlives the engine (a persistent prefix cache) and may be "
+                                             "shared by engines of the same model")
+    kv_offload_disk_gb: float = _flag(16.0, "GiB of files this engine keeps in --kv-offload-dir")
     max_prefill_tokens_with_decodes: int | None = _flag(
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
               "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 256 on CPU")
@@ -283,6 +296,17 @@ class EngineArgs:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
+        for name in ("kv_offload_host_gb", "kv_offload_disk_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a non-negative number of GiB, got {v!r}")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
+        if (self.kv_offload_host_gb or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_gb / kv_offload_dir need enable_prefix_caching (the tiers are keyed "
+                             "by the prefix cache's block hashes)")
+        if self.kv_offload_dir is not None and not self.kv_offload_disk_gb > 0:
+            raise ValueError(f"kv_offload_disk_gb must be > 0 with kv_offload_dir, got {self.kv_offload_disk_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
-
 import threading
+import time
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -84,6 +83,13 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each draft position.", ["position"],
                                              registry=r)
+        self.offload_hits = Counter(p + "kv_offload_hits", "Prefix blocks loaded back from an offload tier "
+                                    "instead of recomputed.", ["tier"], registry=r)
+        self.offload_bytes = Counter(p + "kv_offload_bytes", "KV bytes moved to and from each offload tier.",
+                                     ["tier", "direction"], registry=r)
+        self.offload_blocks = Gauge(p + "kv_offload_blocks", "Blocks each offload tier holds.", ["tier"], registry=r)
+        self._offload: dict[str, int] = {}  # the offload's running totals at the last step
+        self._offload_logged = (0, 0)
         self._spec = [0, 0, 0]  # drafts, draft tokens, accepted (for the log line)
         self._last_spec = [0, 0, 0]
         hist = lambda name, doc: BatchHistogram(p + name, doc, _LATENCY_BUCKETS, r)  # noqa: E731
@@ -133,6 +139,22 @@ class EngineMetrics:
         for j, v in enumerate((drafts, draft_tokens, accepted)):
             self._spec[j] += v
 
+    def observe_offload(self, stats: dict) -> None:
+        """Record the offload tiers' running totals (`KVOffload.stats()`)."""
+        last = self._offload
+        for key, counter in (("host_hit_blocks", self.offload_hits.labels(tier="host")),
+                             ("disk_hit_blocks", self.offload_hits.labels(tier="disk")),
+                             ("host_stored_bytes", self.offload_bytes.labels(tier="host", direction="store")),
+                             ("host_loaded_bytes", self.offload_bytes.labels(tier="host", direction="load")),
+                             ("disk_written_bytes", self.offload_bytes.labels(tier="disk", direction="store")),
+                             ("disk_read_bytes", self.offload_bytes.labels(tier="disk", direction="load"))):
+            if key in stats and stats[key] != last.get(key, 0):
+                counter.inc(stats[key] - last.get(key, 0))
+        self.offload_blocks.labels(tier="host").set(stats["host_blocks"])
+        if "disk_blocks" in stats:
+            self.offload_blocks.labels(tier="disk").set(stats["disk_blocks"])
+        self._offload = dict(stats)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
@@ -158,3 +180,8 @@ class EngineMetrics:
                         "(%d drafts, %d draft tokens)", 1 + accepted / drafts, 100 * accepted / max(tokens, 1),
                         drafts, tokens)
         self._last_spec = list(self._spec)
+        hits = (self._offload.get("host_hit_blocks", 0), self._offload.get("disk_hit_blocks", 0))
+        if hits != self._offload_logged:
+            logger.info("KV offload: %d blocks loaded from host, %d from disk (%d / %d since the last line)",
+                        *hits, hits[0] - self._offload_logged[0], hits[1] - self._offload_logged[1])
+            self._offload_logged = hits

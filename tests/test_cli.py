@@ -62,6 +62,8 @@ def test_loading_a_model_without_weights_fails_cleanly(config_only_model):
     (["--max-tokens", "0"], "error: max_tokens must be"),
     (["--top-p", "0"], "error: top_p must be"),
     (["--block-size", "12"], "error: block_size must be"),
+    (["--kv-offload-host-gb", "-2"], "error: kv_offload_host_gb must be"),
+    (["--kv-offload-dir", "/tmp/kv", "--no-enable-prefix-caching"], "error: kv_offload_host_gb / kv_offload_dir need"),
     (["--max-model-len", "8", "--prompt", "w5 w6 w7 w8 w9 w10 w11 w12 w13"], "error: prompt: 9 tokens"),
 ])
 def test_bad_values_fail_before_the_model_loads(config_only_model, flags, message):

@@ -179,6 +179,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(output length: the upper end of --output-len)")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run jaxpaged with prefix caching on and off, and print the ratio")
+    p.add_argument("--compare-offload", action="store_true",
+                   help="with --shared-prefix: time to first token of the prefix returning after the device pool "
+                        "evicted it, recomputed vs from the host tier vs the disk tier vs after a restart")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
     p.add_argument("--beam-width", type=int, default=None,
                    help="beam search with this many beams per prompt (max_tokens: the upper end of --output-len)")
@@ -237,6 +240,24 @@ def main(ns: argparse.Namespace) -> list[dict]:
             else:
                 results.append(run_jaxpaged(reqs, args, ns.n, label))
         return _report(results, ns)
+    if ns.compare_offload:
+        import numpy as np
+
+        from jaxpaged.bench.offload import compare_offload
+
+        if not ns.shared_prefix:
+            raise SystemExit("--compare-offload needs --shared-prefix PREFIX:SUFFIX")
+        vocab = np.setdiff1d(np.arange(len(tok)), np.asarray(sorted(tok.all_special_ids), int))
+        prefix = reqs[0].prompt_token_ids[:prefix_len]
+        results = compare_offload(engine_args, prefix, suffix_len, vocab, ns.seed)
+        if ns.output_json:
+            import os
+
+            os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
+            with open(ns.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+            print(f"wrote {ns.output_json}")
+        return results
     if ns.compare_prefix_caching:
         import dataclasses
 

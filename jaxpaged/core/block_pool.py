@@ -8,7 +8,7 @@ hash and stays findable until the pool hands it out again (lazy eviction, LRU or
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
@@ -76,7 +76,9 @@ class FreeBlockQueue:
 class BlockPool:
     """All physical blocks of one KV pool; hands them out and takes them back by ref count."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None):
+        """on_evict(block_id, hash, tokens): called when a cached block is handed out again (before it is
+        overwritten), so a lower tier can keep its contents."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -84,6 +86,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # held forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +112,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash, block.block_tokens)
         block.block_hash = block.block_tokens = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: int, tokens: tuple[int, ...]) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxpaged.core import block_pool
 from jaxpaged.core.block_pool import BlockPool, KVCacheBlock
 from jaxpaged.request import Request
+
+if TYPE_CHECKING:
+    from jaxpaged.kv_offload import KVOffload
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,12 +28,15 @@ class KVCacheManager:
     request to the host blocks that hold them while it waits."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, offload: KVOffload | None = None):
+        """offload: host/disk tiers behind the prefix cache (evicted cached blocks go there; lookups that miss
+        on the device continue there)."""
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
-        self.pool = BlockPool(num_blocks)
+        self.offload = offload if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, on_evict=self.offload.on_evict if self.offload is not None else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.req_to_hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
@@ -63,15 +69,31 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
-        """Give `request` room for `num_new_tokens` more tokens after `computed_blocks` (a prefix-cache hit).
+    def get_offloaded_blocks(self, request: Request, start: int) -> list[int]:
+        """Host slots (see kv_offload) holding the request's full blocks from block `start` on, in order, up to
+        the first miss; never its last token. Empty without offload tiers."""
+        if self.offload is None or not request.prefix_cacheable:
+            return []
+        bs = self.block_size
+        hashes = self._block_hashes(request, request.num_tokens - 1)
+        slots = []
+        for i in range(start, len(hashes)):
+            slot = self.offload.find(hashes[i], tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] = (),
+                       offloaded: list[int] = ()) -> list[KVCacheBlock] | None:
+        """Give `request` room for `num_new_tokens` more tokens after `computed_blocks` (a prefix-cache hit)
+        and the blocks held in host slots `offloaded` (loaded into the first new blocks this step).
 
         Returns the new blocks, or None (and no change) if the pool is short. Blocks that this step
         fills become cached.
         """
         held = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
-        start = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        start = request.num_computed_tokens + (len(computed_blocks) + len(offloaded)) * self.block_size
         total = start + num_new_tokens
         need = max(0, cdiv(total, self.block_size) - held)
         shared = self._shared_written_blocks(request.request_id, start, total)
@@ -89,6 +111,8 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new = self.pool.get_new_blocks(need)
         blocks.extend(new)
+        for slot, b in zip(offloaded, new):
+            self.offload.load(slot, b.block_id)
         if self.enable_prefix_caching:
             # Full blocks whose tokens are all known (a placeholder for a token still being drawn is not) become
             # findable; a block completed by a placeholder is cached on a later call, once the token is known.

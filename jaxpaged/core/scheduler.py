@@ -69,6 +69,10 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
+    # offload tiers (kv_offload): evicted cached blocks kept in host slots, done before anything else; prefix
+    # blocks found in a tier loaded into fresh device blocks, done after everything else
+    kv_store: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    kv_load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     # speculative decoding: index in `requests` -> the draft tokens the step verifies after the request's last
     # token (they are the last of its num_new_tokens; it draws after the last accepted one)
     spec_tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -102,7 +106,8 @@ class SchedulerOutput:
     @property
     def moves_blocks(self) -> bool:
         """Whether the runner has block copies or swaps to do (even in a step that computes nothing)."""
-        return bool(self.fork_copies or self.block_copies or self.swap_out or self.swap_in)
+        return bool(self.fork_copies or self.block_copies or self.swap_out or self.swap_in or self.kv_store
+                    or self.kv_load)
 
 
 # sjf/hybrid: the output length assumed for a request without max_tokens (chat requests often set none).
@@ -316,6 +321,8 @@ class Scheduler:
                 out.preempted_ids.append(idle[-1].request_id)
                 self._admit(out, budget)
         out.block_copies = self.kv.take_copies()
+        if self.kv.offload is not None:
+            out.kv_store, out.kv_load = self.kv.offload.take()
         return out
 
     def _num_to_compute(self, req: Request) -> int:
@@ -378,18 +385,19 @@ class Scheduler:
                 out.swap_in += pairs
             else:
                 hits = self.kv.get_computed_blocks(req)
-                num_cached = len(hits) * self.kv.block_size
+                offloaded = self.kv.get_offloaded_blocks(req, len(hits))  # the next blocks, from host or disk
+                num_cached = (len(hits) + len(offloaded)) * self.kv.block_size
                 n = req.num_tokens - num_cached
                 if n > budget:
                     if not self.config.enable_chunked_prefill:
                         break
                     n = budget
-                if self.kv.allocate_slots(req, n, hits) is None:
+                if self.kv.allocate_slots(req, n, hits, offloaded) is None:
                     break
                 req.num_computed_tokens = num_cached
                 self.waiting.pop()
                 self.kv.num_queried_tokens += req.num_tokens
-                self.kv.num_hit_tokens += num_cached
+                self.kv.num_hit_tokens += len(hits) * self.kv.block_size  # (tier hits: the offload's counters)
             req.status = RequestStatus.RUNNING
             req.needs_full_table = True
             self.running.append(req)

@@ -40,7 +40,7 @@ from jaxpaged.models.registry import (
     model_config_from_hf,
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus
-from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks
+from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.structured import StructuredOutputManager
 
@@ -151,7 +151,8 @@ class LLMEngine:
             model_config=model_config,
             cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=args.resolved_kv_dtype(),
                                      enable_prefix_caching=args.enable_prefix_caching,
-                                     num_host_blocks=num_host_blocks(args, model_config, args.block_size)),
+                                     num_host_blocks=num_host_blocks(args, model_config, args.block_size),
+                                     **offload_settings(args, model_config, sched.max_model_len)),
             scheduler_config=sched,
             seed=args.seed,
             compile_guard=args.compile_guard,
@@ -164,6 +165,11 @@ class LLMEngine:
             speculative=args.resolved_speculative_config(),
         )
         return cls(config, tokenizer, model, stub=stub)
+
+    def flush_kv_offload(self) -> None:
+        """Wait until the KV disk tier has written every block handed to it (the engine stays usable)."""
+        if self.core.offload is not None:
+            self.core.offload.flush()
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -313,6 +319,8 @@ class LLMEngine:
                        preemptions=step.num_preemptions, running=self.scheduler.num_running,
                        waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
                        prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens)
+        if self.core.offload is not None:
+            m.observe_offload(self.core.offload.stats())
         if step.spec_num_drafts:
             self.stats.spec_num_drafts += step.spec_num_drafts
             self.stats.spec_num_draft_tokens += step.spec_num_draft_tokens

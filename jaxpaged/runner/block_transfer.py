@@ -1,4 +1,5 @@
-"""Whole-block moves in the KV pool: copy-on-write copies, and swaps to and from host memory.
+"""Whole-block moves in the KV pool: copy-on-write copies, swaps to and from host memory, and the offload tiers'
+stores and loads (host rows of one block each).
 
 Each runs as a small precompiled executable on a fixed chunk of block ids (padding ids point past
 the pool, so their writes drop), with the pool donated, so a move of any size compiles nothing
@@ -8,6 +9,7 @@ after warmup and never copies the pool.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
@@ -26,6 +28,14 @@ def _scatter(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"], data:
     return kv_pool.at[:, :, ids].set(data, mode="drop")
 
 
+def _gather_rows(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"]):
+    return jnp.moveaxis(kv_pool[:, :, ids], 2, 0)  # [C, L, 2, bs, KH, D]: one contiguous row per block
+
+
+def _scatter_rows(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"], rows: Float[Array, "C L 2 bs KH D"]):
+    return kv_pool.at[:, :, ids].set(jnp.moveaxis(rows, 0, 2), mode="drop")
+
+
 class BlockTransfer:
     """Compiled block moves for one pool shape."""
 
@@ -36,6 +46,9 @@ class BlockTransfer:
         self._copy = jax.jit(_copy, donate_argnums=0).lower(kv_pool, ids, ids).compile()
         self._gather = jax.jit(_gather).lower(kv_pool, ids).compile()
         self._scatter = jax.jit(_scatter, donate_argnums=0).lower(kv_pool, ids, data).compile()
+        rows = jax.ShapeDtypeStruct((CHUNK, *kv_pool.shape[:2], *kv_pool.shape[3:]), kv_pool.dtype)
+        self._gather_rows = jax.jit(_gather_rows).lower(kv_pool, ids).compile()
+        self._scatter_rows = jax.jit(_scatter_rows, donate_argnums=0).lower(kv_pool, ids, rows).compile()
 
     def _chunks(self, ids: list[int], fill: int):
         for i in range(0, len(ids), CHUNK):
@@ -60,4 +73,17 @@ class BlockTransfer:
             chunk = np.zeros((*data.shape[:2], CHUNK, *data.shape[3:]), data.dtype)
             chunk[:, :, :n] = data[:, :, i : i + n]
             kv_pool = self._scatter(kv_pool, c, chunk)
+        return kv_pool
+
+    def read_rows(self, kv_pool, ids: list[int], out: np.ndarray, rows: list[int]) -> None:
+        """Copy blocks `ids` into `out[rows]` (`out`: [R, L, 2, bs, KH, D] on the host, a block per row)."""
+        for i, n, c in self._chunks(ids, 0):
+            out[rows[i : i + n]] = np.asarray(self._gather_rows(kv_pool, c))[:n]
+
+    def write_rows(self, kv_pool, ids: list[int], data: np.ndarray, rows: list[int]):
+        """Write host rows `data[rows]` ([R, L, 2, bs, KH, D]) into blocks `ids`; returns the new pool."""
+        chunk = np.zeros((CHUNK, *data.shape[1:]), data.dtype)
+        for i, n, c in self._chunks(ids, self.num_blocks):
+            chunk[:n] = data[rows[i : i + n]]
+            kv_pool = self._scatter_rows(kv_pool, c, chunk)
         return kv_pool

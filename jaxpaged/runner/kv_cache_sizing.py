@@ -50,3 +50,30 @@ def num_host_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int
     n = int(args.swap_space * 2**30) // (model_config.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size)
     logger.info("Swap space: %d host blocks (%.2f GiB)", n, args.swap_space)
     return n
+
+
+def offload_settings(args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> dict:
+    """CacheConfig's offload fields: host blocks, folder, disk budget and the model identity files carry."""
+    n = num_offload_host_blocks(args, model_config, args.block_size, max_model_len)
+    if not args.kv_offload_dir:
+        return {"offload_host_blocks": n}
+    from jaxpaged.kv_offload.identity import model_identity
+
+    identity = model_identity(model_config, load_format=args.load_format, kv_dtype=args.resolved_kv_dtype(),
+                              block_size=args.block_size)
+    return {"offload_host_blocks": n, "offload_dir": args.kv_offload_dir,
+            "offload_disk_bytes": int(args.kv_offload_disk_gb * 2**30), "offload_identity": identity}
+
+
+def num_offload_host_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, max_model_len: int) -> int:
+    """Host-memory blocks of the offload tier: kv_offload_host_gb GiB of them; with a disk tier at least one
+    longest sequence's worth (disk reads stage through host memory); 0 when offload is off."""
+    if not (args.kv_offload_host_gb or args.kv_offload_dir):
+        return 0
+    per_block = model_config.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size
+    n = int(args.kv_offload_host_gb * 2**30) // per_block
+    if args.kv_offload_dir:
+        n = max(n, -(-max_model_len // block_size))
+    disk = f"; disk tier in {args.kv_offload_dir} up to {args.kv_offload_disk_gb:g} GiB" if args.kv_offload_dir else ""
+    logger.info("KV offload: %d host blocks (%.2f GiB)%s", n, n * per_block / 2**30, disk)
+    return n

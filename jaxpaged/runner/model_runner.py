@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from jaxpaged.attention import empty_kv_pool
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.kv_offload import KVOffload
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.block_transfer import BlockTransfer
@@ -225,6 +226,7 @@ class ModelRunner:
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
         self._host_pool: np.ndarray | None = None
+        self.offload: KVOffload | None = None  # the host/disk tiers (set by the engine core)
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
@@ -463,6 +465,10 @@ class ModelRunner:
         if self.transfer is None:
             self.transfer = BlockTransfer(self.kv_pool)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+            if out.kv_store:  # evicted cached blocks, before anything handed out again overwrites them
+                dev, slots = zip(*out.kv_store)
+                self.transfer.read_rows(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+                self.offload.stored(slots)
             if out.fork_copies:
                 self.kv_pool = self.transfer.copy(self.kv_pool, out.fork_copies)
             if out.swap_out:
@@ -473,6 +479,9 @@ class ModelRunner:
             if out.swap_in:
                 host, dev = zip(*out.swap_in)
                 self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.host_pool[:, :, list(host)])
+            if out.kv_load:  # prefix blocks found in the host (or disk) tier, into their fresh device blocks
+                slots, dev = zip(*out.kv_load)
+                self.kv_pool = self.transfer.write_rows(self.kv_pool, list(dev), self.offload.host.data, list(slots))
 
     @property
     def host_pool(self) -> np.ndarray:
