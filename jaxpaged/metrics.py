@@ -89,6 +89,7 @@ class EngineMetrics:
                                      ["tier", "direction"], registry=r)
         self.offload_blocks = Gauge(p + "kv_offload_blocks", "Blocks each offload tier holds.", ["tier"], registry=r)
         self._offload: dict[str, int] = {}  # the offload's running totals at the last step
+        self._offload_series: list = []  # (stats key, labelled counter)
         self._offload_logged = (0, 0)
         self._spec = [0, 0, 0]  # drafts, draft tokens, accepted (for the log line)
         self._last_spec = [0, 0, 0]
@@ -141,19 +142,22 @@ class EngineMetrics:
 
     def observe_offload(self, stats: dict) -> None:
         """Record the offload tiers' running totals (`KVOffload.stats()`)."""
+        if not self._offload_series:  # (labelled on first use: engines without tiers export none)
+            hits, moved = self.offload_hits, self.offload_bytes
+            self._offload_series = [
+                ("host_hit_blocks", hits.labels(tier="host")), ("disk_hit_blocks", hits.labels(tier="disk")),
+                ("host_stored_bytes", moved.labels(tier="host", direction="store")),
+                ("host_loaded_bytes", moved.labels(tier="host", direction="load")),
+                ("disk_written_bytes", moved.labels(tier="disk", direction="store")),
+                ("disk_read_bytes", moved.labels(tier="disk", direction="load"))]
         last = self._offload
-        for key, counter in (("host_hit_blocks", self.offload_hits.labels(tier="host")),
-                             ("disk_hit_blocks", self.offload_hits.labels(tier="disk")),
-                             ("host_stored_bytes", self.offload_bytes.labels(tier="host", direction="store")),
-                             ("host_loaded_bytes", self.offload_bytes.labels(tier="host", direction="load")),
-                             ("disk_written_bytes", self.offload_bytes.labels(tier="disk", direction="store")),
-                             ("disk_read_bytes", self.offload_bytes.labels(tier="disk", direction="load"))):
-            if key in stats and stats[key] != last.get(key, 0):
+        for key, counter in self._offload_series:
+            if stats.get(key, 0) != last.get(key, 0):
                 counter.inc(stats[key] - last.get(key, 0))
         self.offload_blocks.labels(tier="host").set(stats["host_blocks"])
         if "disk_blocks" in stats:
             self.offload_blocks.labels(tier="disk").set(stats["disk_blocks"])
-        self._offload = dict(stats)
+        self._offload = stats
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""

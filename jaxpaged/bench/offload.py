@@ -20,12 +20,13 @@ import numpy as np
 from jaxpaged.config import EngineArgs
 
 
-def _ttft(llm, prompt: list[int]) -> float:
+def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first (greedy) token of `prompt`, and that token."""
     from jaxpaged import SamplingParams
 
     t0 = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t0
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]
 
 
 def compare_offload(engine_args: EngineArgs, prefix: list[int], suffix_len: int, vocab: np.ndarray,
@@ -38,35 +39,32 @@ def compare_offload(engine_args: EngineArgs, prefix: list[int], suffix_len: int,
     fillers = [rng.choice(vocab, size=len(prefix)).tolist() for _ in range(2)]
     bs = engine_args.block_size
     blocks = -(-(len(prefix) + suffix_len + 1) // bs) + 2  # one request's worth: each filler evicts the prefix
-    kv_bytes = None
     folder = tempfile.mkdtemp(prefix="jaxpaged-kv-offload-")
     # (max_model_len sizes the disk mode's host staging slots: one prompt's worth, so the fillers evict it there)
     base = dataclasses.replace(engine_args, num_kv_blocks=blocks, max_model_len=len(prefix) + suffix_len + 2)
     rows: list[dict] = []
-    modes = [("recompute", {}), ("host tier", {"kv_offload_host_gb": None}), ("disk tier", {"kv_offload_dir": folder}),
-             ("disk tier after restart", {"kv_offload_dir": folder})]
-    for name, extra in modes:
-        if "kv_offload_host_gb" in extra:  # room for the prefix and both fillers
-            extra = {"kv_offload_host_gb": 4 * blocks * kv_bytes / 2**30}
+    host_gb = 0.0
+    for name in ("recompute", "host tier", "disk tier", "disk tier after restart"):
+        extra = ({"kv_offload_host_gb": host_gb} if name == "host tier"  # room for the prefix and both fillers
+                 else {"kv_offload_dir": folder} if name.startswith("disk") else {})
         llm = LLM(**vars(dataclasses.replace(base, **extra)))
-        kv_bytes = kv_bytes or llm.engine.core.runner.kv_pool.nbytes // blocks
+        host_gb = host_gb or 4 * llm.engine.core.runner.kv_pool.nbytes / 2**30
+        cold = None
         if name != "disk tier after restart":
-            cold = _ttft(llm, first)
+            cold = _ttft(llm, first)[0]
             for f in fillers:
                 _ttft(llm, f)
             llm.engine.flush_kv_offload()
-        else:
-            cold = None
         offload = llm.engine.core.offload
         before = offload.stats() if offload else {}
-        ttft = _ttft(llm, returning)
+        ttft, token = _ttft(llm, returning)
         after = offload.stats() if offload else {}
         llm.engine.flush_kv_offload()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("host_hit_blocks", "disk_hit_blocks",
                                                                  "disk_read_bytes", "host_loaded_bytes")}
-        rows.append({"mode": name, "ttft_s": ttft, "cold_ttft_s": cold, **delta,
+        rows.append({"mode": name, "ttft_s": ttft, "cold_ttft_s": cold, "first_token": token, **delta,
                      "prefix_len": len(prefix), "suffix_len": suffix_len, "num_kv_blocks": blocks,
-                     "kv_offload": {k: v for k, v in extra.items()}})
+                     "kv_offload": extra})
         del llm
     for r in rows:
         r["speedup_vs_recompute"] = rows[0]["ttft_s"] / r["ttft_s"]
@@ -77,4 +75,8 @@ def compare_offload(engine_args: EngineArgs, prefix: list[int], suffix_len: int,
     for r in rows:
         print(f"{r['mode']:>24} | {r['ttft_s']:8.3f} | {r['speedup_vs_recompute']:11.2f}x | "
               f"{r['host_hit_blocks']:>11} | {r['disk_hit_blocks']:>11} | {r['disk_read_bytes'] / 2**20:18.1f}")
+    same = len({r["first_token"] for r in rows}) == 1
+    print(f"returning prompt's greedy first token equal in every mode: {same}")
+    for r in rows:
+        r["first_tokens_equal"] = same
     return rows

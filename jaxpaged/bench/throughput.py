@@ -250,13 +250,7 @@ def main(ns: argparse.Namespace) -> list[dict]:
         vocab = np.setdiff1d(np.arange(len(tok)), np.asarray(sorted(tok.all_special_ids), int))
         prefix = reqs[0].prompt_token_ids[:prefix_len]
         results = compare_offload(engine_args, prefix, suffix_len, vocab, ns.seed)
-        if ns.output_json:
-            import os
-
-            os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
-            with open(ns.output_json, "w") as f:
-                json.dump(results, f, indent=2)
-            print(f"wrote {ns.output_json}")
+        write_json(results, ns.output_json)
         return results
     if ns.compare_prefix_caching:
         import dataclasses
@@ -327,14 +321,20 @@ def _report(results: list[dict], ns: argparse.Namespace) -> list[dict]:
         r.update(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed,
                  shared_prefix=ns.shared_prefix)
     print_table(results)
-    if ns.output_json:
-        import os
-
-        os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
-        with open(ns.output_json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {ns.output_json}")
+    write_json(results, ns.output_json)
     return results
+
+
+def write_json(results: list[dict], path: str | None) -> None:
+    """Write the results to `path` (folders made as needed); nothing when it is empty."""
+    if not path:
+        return
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

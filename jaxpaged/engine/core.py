@@ -16,12 +16,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-import jax.numpy as jnp
-
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
-from jaxpaged.kv_offload import DiskTier, HostTier, KVOffload
+from jaxpaged.kv_offload import KVOffload
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
 from jaxpaged.spec_decode.budget import DraftBudget
@@ -50,31 +48,18 @@ class StepStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
 
 
-def make_offload(config: EngineConfig) -> KVOffload:
-    """The host tier (and the disk tier, with a folder) for the pool's block shape and dtype."""
-    mc, cc = config.model_config, config.cache_config
-    shape = (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim)
-    dtype = jnp.dtype(cc.dtype)
-    disk = None
-    if cc.offload_dir:
-        disk = DiskTier(cc.offload_dir, cc.offload_identity, cc.offload_disk_bytes, block_size=cc.block_size,
-                        block_shape=shape, dtype=dtype)
-    return KVOffload(HostTier(cc.offload_host_blocks, shape, dtype), disk)
-
-
 class EngineCore:
     """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
 
     def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None):
         self.config = config
         sc, cc = config.scheduler_config, config.cache_config
-        self.offload = make_offload(config) if cc.offload_host_blocks and not stub else None
+        self.offload = KVOffload.for_engine(config) if cc.offload_host_blocks and not stub else None
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
                                                enable_prefix_caching=cc.enable_prefix_caching,
                                                num_host_blocks=cc.num_host_blocks, offload=self.offload)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        self.runner = ModelRunner(config, model, stub=stub, structured=structured)
-        self.runner.offload = self.offload
+        self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload)
         self.speculative = config.speculative
         # Drafts are proposed from known tokens, and a step's accepted count decides where the next one starts:
         # with speculative decoding, each step's results come in before the next is scheduled.

@@ -74,20 +74,8 @@ class HostTier:
         self.slot_hash[slot] = block_hash
         return slot
 
-    def drop(self, block_hash: int) -> None:
-        """Forget a block (its slot becomes free)."""
-        entry = self.entries.pop(block_hash, None)
-        if entry is not None:
-            self.slot_hash[entry[0]] = None
-            self.free.append(entry[0])
-
     def pin(self, slot: int) -> None:
         self.pinned.add(slot)
 
     def unpin_all(self) -> None:
-        self.pinned.clear()
-
-    def clear(self) -> None:
-        for h in list(self.entries):
-            self.drop(h)
         self.pinned.clear()

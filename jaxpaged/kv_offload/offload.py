@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
+from jaxpaged.config import EngineConfig
 from jaxpaged.kv_offload.disk_tier import DiskTier
 from jaxpaged.kv_offload.host_tier import HostTier
 
@@ -35,6 +38,18 @@ class KVOffload:
         self.loads: list[tuple[int, int]] = []  # (host slot, device block), this schedule
         self.counters = OffloadCounters()
         self._from_disk: set[int] = set()  # slots a disk read filled this schedule
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> KVOffload:
+        """The host tier (and the disk tier, with a folder) for the engine's pool: its block shape and dtype."""
+        mc, cc = config.model_config, config.cache_config
+        shape = (mc.num_layers, 2, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        dtype = jnp.dtype(cc.dtype)
+        disk = None
+        if cc.offload_dir:
+            disk = DiskTier(cc.offload_dir, cc.offload_identity, cc.offload_disk_bytes, block_size=cc.block_size,
+                            block_shape=shape, dtype=dtype)
+        return cls(HostTier(cc.offload_host_blocks, shape, dtype), disk)
 
     @property
     def block_bytes(self) -> int:
@@ -93,17 +108,10 @@ class KVOffload:
             if key is not None:
                 self.disk.write(key[0], key[1], data[slot])
 
-    def clear_host(self) -> None:
-        self.host.clear()
-
     def flush(self) -> None:
         """Wait for the disk tier's queued writes."""
         if self.disk is not None:
             self.disk.flush()
-
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
 
     def stats(self) -> dict[str, int | float]:
         """Hits, blocks and bytes per tier, for metrics and benchmarks."""

@@ -1,5 +1,5 @@
-"""Whole-block moves in the KV pool: copy-on-write copies, swaps to and from host memory, and the offload tiers'
-stores and loads (host rows of one block each).
+"""Whole-block moves in the KV pool: copy-on-write copies, and copies to and from host memory (swap preemption,
+the offload tiers), where a block is one contiguous row [L, 2, bs, KH, D].
 
 Each runs as a small precompiled executable on a fixed chunk of block ids (padding ids point past
 the pool, so their writes drop), with the pool donated, so a move of any size compiles nothing
@@ -20,14 +20,6 @@ def _copy(kv_pool: Float[Array, "L 2 N bs KH D"], src: Int[Array, "C"], dst: Int
     return kv_pool.at[:, :, dst].set(kv_pool[:, :, src], mode="drop")
 
 
-def _gather(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"]):
-    return kv_pool[:, :, ids]  # [L, 2, C, bs, KH, D]
-
-
-def _scatter(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"], data: Float[Array, "L 2 C bs KH D"]):
-    return kv_pool.at[:, :, ids].set(data, mode="drop")
-
-
 def _gather_rows(kv_pool: Float[Array, "L 2 N bs KH D"], ids: Int[Array, "C"]):
     return jnp.moveaxis(kv_pool[:, :, ids], 2, 0)  # [C, L, 2, bs, KH, D]: one contiguous row per block
 
@@ -42,10 +34,7 @@ class BlockTransfer:
     def __init__(self, kv_pool):
         self.num_blocks = kv_pool.shape[2]
         ids = np.zeros(CHUNK, np.int32)
-        data = jax.ShapeDtypeStruct((*kv_pool.shape[:2], CHUNK, *kv_pool.shape[3:]), kv_pool.dtype)
         self._copy = jax.jit(_copy, donate_argnums=0).lower(kv_pool, ids, ids).compile()
-        self._gather = jax.jit(_gather).lower(kv_pool, ids).compile()
-        self._scatter = jax.jit(_scatter, donate_argnums=0).lower(kv_pool, ids, data).compile()
         rows = jax.ShapeDtypeStruct((CHUNK, *kv_pool.shape[:2], *kv_pool.shape[3:]), kv_pool.dtype)
         self._gather_rows = jax.jit(_gather_rows).lower(kv_pool, ids).compile()
         self._scatter_rows = jax.jit(_scatter_rows, donate_argnums=0).lower(kv_pool, ids, rows).compile()
@@ -62,25 +51,12 @@ class BlockTransfer:
             kv_pool = self._copy(kv_pool, s, d)
         return kv_pool
 
-    def read(self, kv_pool, ids: list[int]) -> np.ndarray:
-        """The blocks' contents on the host: [L, 2, len(ids), bs, KH, D]."""
-        parts = [np.asarray(self._gather(kv_pool, c))[:, :, :n] for _, n, c in self._chunks(ids, 0)]
-        return np.concatenate(parts, axis=2)
-
-    def write(self, kv_pool, ids: list[int], data: np.ndarray):
-        """Write host `data` [L, 2, len(ids), ...] into the blocks; returns the new pool."""
-        for i, n, c in self._chunks(ids, self.num_blocks):
-            chunk = np.zeros((*data.shape[:2], CHUNK, *data.shape[3:]), data.dtype)
-            chunk[:, :, :n] = data[:, :, i : i + n]
-            kv_pool = self._scatter(kv_pool, c, chunk)
-        return kv_pool
-
-    def read_rows(self, kv_pool, ids: list[int], out: np.ndarray, rows: list[int]) -> None:
+    def read(self, kv_pool, ids: list[int], out: np.ndarray, rows: list[int]) -> None:
         """Copy blocks `ids` into `out[rows]` (`out`: [R, L, 2, bs, KH, D] on the host, a block per row)."""
         for i, n, c in self._chunks(ids, 0):
             out[rows[i : i + n]] = np.asarray(self._gather_rows(kv_pool, c))[:n]
 
-    def write_rows(self, kv_pool, ids: list[int], data: np.ndarray, rows: list[int]):
+    def write(self, kv_pool, ids: list[int], data: np.ndarray, rows: list[int]):
         """Write host rows `data[rows]` ([R, L, 2, bs, KH, D]) into blocks `ids`; returns the new pool."""
         chunk = np.zeros((CHUNK, *data.shape[1:]), data.dtype)
         for i, n, c in self._chunks(ids, self.num_blocks):

@@ -207,7 +207,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False,
-                 structured: StructuredOutputManager | None = None):
+                 structured: StructuredOutputManager | None = None, offload: KVOffload | None = None):
         self.config = config
         self.stub = stub
         self.structured = structured
@@ -226,7 +226,7 @@ class ModelRunner:
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
         self._host_pool: np.ndarray | None = None
-        self.offload: KVOffload | None = None  # the host/disk tiers (set by the engine core)
+        self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
@@ -467,26 +467,26 @@ class ModelRunner:
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             if out.kv_store:  # evicted cached blocks, before anything handed out again overwrites them
                 dev, slots = zip(*out.kv_store)
-                self.transfer.read_rows(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+                self.transfer.read(self.kv_pool, list(dev), self.offload.host.data, list(slots))
                 self.offload.stored(slots)
             if out.fork_copies:
                 self.kv_pool = self.transfer.copy(self.kv_pool, out.fork_copies)
             if out.swap_out:
                 dev, host = zip(*out.swap_out)
-                self.host_pool[:, :, list(host)] = self.transfer.read(self.kv_pool, list(dev))
+                self.transfer.read(self.kv_pool, list(dev), self.host_pool, list(host))
             if out.block_copies:
                 self.kv_pool = self.transfer.copy(self.kv_pool, out.block_copies)
             if out.swap_in:
                 host, dev = zip(*out.swap_in)
-                self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.host_pool[:, :, list(host)])
+                self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.host_pool, list(host))
             if out.kv_load:  # prefix blocks found in the host (or disk) tier, into their fresh device blocks
                 slots, dev = zip(*out.kv_load)
-                self.kv_pool = self.transfer.write_rows(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+                self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.offload.host.data, list(slots))
 
     @property
     def host_pool(self) -> np.ndarray:
-        """[L, 2, host blocks, block_size, KH, D] in host memory, allocated on first use."""
+        """[host blocks, L, 2, block_size, KH, D] in host memory (a block per row), allocated on first use."""
         if self._host_pool is None:
             cc, shape = self.config.cache_config, self.kv_pool.shape
-            self._host_pool = np.zeros((*shape[:2], cc.num_host_blocks, *shape[3:]), self.kv_pool.dtype)
+            self._host_pool = np.zeros((cc.num_host_blocks, *shape[:2], *shape[3:]), self.kv_pool.dtype)
         return self._host_pool

@@ -114,6 +114,65 @@ class Runner:
         return out
 
 
+def distinct_prompt(kind: str, ids: int, length: int) -> list[int]:
+    """One token repeated (no two requests share a block), but add_shared: a prefix of one sequence."""
+    if kind == "add_shared":
+        return list(range(length))
+    return [{"add": 1000, "add_n": 2000, "add_held": 3000}[kind] + ids] * length
+
+
+def run_actions(s: Scheduler, runner, actions, capacity: int, *, check, prompt=distinct_prompt) -> None:
+    """Apply the random actions (`runner.step(token)` for a step), checking after each; then drain: every request
+    must finish. `prompt(kind, request number, length)` gives each added request its tokens."""
+    config = s.config
+    ids = 0
+    for kind, a, b in actions:
+        if kind == "add_n":
+            prompt_len = min(a, capacity - 1)
+            sp = SamplingParams(max_tokens=max(1, min(8, capacity - prompt_len)), n=b)
+            reqs = [Request(f"r{ids}#{i}", prompt(kind, ids, prompt_len), sp, seed=i) for i in range(b)]
+            reqs[0].pending_forks = reqs[1:]
+            s.add_request(reqs[0])
+            ids += 1
+        elif kind == "add_held":
+            prompt_len = min(a, capacity - 1)
+            sp = SamplingParams(max_tokens=max(1, min(b, capacity - prompt_len)))
+            s.add_request(Request(f"r{ids}", prompt(kind, ids, prompt_len), sp, seed=0, hold_output=True))
+            ids += 1
+        elif kind == "feed":
+            feed_held(s, only=a)
+        elif kind == "fork":
+            if s.running and s.num_reserved_seqs < config.max_num_seqs:
+                parent = s.running[a % len(s.running)]
+                child = Request(f"f{ids}", parent.prompt_token_ids, parent.sampling_params, seed=1,
+                                output_token_ids=list(parent.output_token_ids), hold_output=parent.hold_output)
+                # a held child (a beam) waits for its owner's token; another recomputes at least the last one
+                at = parent.num_computed_tokens if parent.hold_output else min(parent.num_computed_tokens,
+                                                                               parent.num_tokens - 1)
+                s.fork(parent, child, at, share=b % 2 == 0)
+                ids += 1
+        elif kind in ("add", "add_shared"):
+            prompt_len = min(a, capacity - 1)
+            max_tokens = max(1, min(b, capacity - prompt_len))  # admission control as the engine does
+            s.add_request(Request(f"r{ids}", prompt(kind, ids, prompt_len), SamplingParams(max_tokens=max_tokens),
+                                  seed=0, priority=a % 3))
+            ids += 1
+        elif kind == "step":
+            runner.step(a + 3)
+        elif ids:
+            rid = f"r{a % ids}"
+            s.abort_requests([rid] + [f"{rid}#{i}" for i in range(4)])
+        check(s)
+    for _ in range(10_000):  # drain
+        feed_held(s)
+        if not s.has_unfinished_requests():
+            break
+        had_in_flight = bool(runner.in_flight)
+        out = runner.step(3)
+        assert not out.is_empty or had_in_flight, "scheduler stalled with unfinished requests"
+        check(s)
+
+
 @settings(max_examples=150, deadline=None)
 @given(actions=actions, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 48), policy=st.sampled_from(["fcfs", "priority", "sjf", "hybrid"]),
@@ -132,54 +191,7 @@ def test_random_schedules_keep_invariants(actions, num_blocks, block_size, budge
                                          num_host_blocks=host_blocks or 0))
     capacity = (num_blocks - 1) * block_size
     runner = Runner(s, lag)
-    ids = 0
-    for kind, a, b in actions:
-        if kind == "add_n":
-            prompt_len = min(a, capacity - 1)
-            sp = SamplingParams(max_tokens=max(1, min(8, capacity - prompt_len)), n=b)
-            reqs = [Request(f"r{ids}#{i}", [2000 + ids] * prompt_len, sp, seed=i) for i in range(b)]
-            reqs[0].pending_forks = reqs[1:]
-            s.add_request(reqs[0])
-            ids += 1
-        elif kind == "add_held":
-            prompt_len = min(a, capacity - 1)
-            sp = SamplingParams(max_tokens=max(1, min(b, capacity - prompt_len)))
-            s.add_request(Request(f"r{ids}", [3000 + ids] * prompt_len, sp, seed=0, hold_output=True))
-            ids += 1
-        elif kind == "feed":
-            feed_held(s, only=a)
-        elif kind == "fork":
-            if s.running and s.num_reserved_seqs < config.max_num_seqs:
-                parent = s.running[a % len(s.running)]
-                child = Request(f"f{ids}", parent.prompt_token_ids, parent.sampling_params, seed=1,
-                                output_token_ids=list(parent.output_token_ids), hold_output=parent.hold_output)
-                # a held child (a beam) waits for its owner's token; another recomputes at least the last one
-                at = parent.num_computed_tokens if parent.hold_output else min(parent.num_computed_tokens,
-                                                                               parent.num_tokens - 1)
-                s.fork(parent, child, at, share=b % 2 == 0)
-                ids += 1
-        elif kind in ("add", "add_shared"):
-            prompt_len, max_tokens = min(a, capacity - 1), b
-            max_tokens = max(1, min(max_tokens, capacity - prompt_len))  # admission control as the engine does
-            prompt = list(range(prompt_len)) if kind == "add_shared" else [1000 + ids] * prompt_len
-            s.add_request(Request(f"r{ids}", prompt, SamplingParams(max_tokens=max_tokens), seed=0,
-                                  priority=a % 3))
-            ids += 1
-        elif kind == "step":
-            runner.step(a + 3)
-        elif ids:
-            rid = f"r{a % ids}"
-            s.abort_requests([rid] + [f"{rid}#{i}" for i in range(4)])
-        check_invariants(s)
-    # drain: every request must finish, and every block must come back
-    for _ in range(10_000):
-        feed_held(s)
-        if not s.has_unfinished_requests():
-            break
-        had_in_flight = bool(runner.in_flight)
-        out = runner.step(3)
-        assert not out.is_empty or had_in_flight, "scheduler stalled with unfinished requests"
-        check_invariants(s)
+    run_actions(s, runner, actions, capacity, check=check_invariants)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks - 1
     assert len(s.kv.host_free) == (host_blocks or 0) and not s.kv.req_to_host_blocks

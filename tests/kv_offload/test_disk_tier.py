@@ -136,3 +136,12 @@ def test_byte_budget_evicts_the_least_recently_used(tmp_path):
     small.write(2, (2,), block(2))
     small.flush()
     assert sorted(small.index) == [0, 2] and not os.path.exists(small.path(1))
+
+
+def test_a_block_another_engine_wrote_later_is_found(tmp_path):
+    """Two engines sharing a folder: a file written after this one indexed the folder is still read."""
+    reader, writer = tier(tmp_path), tier(tmp_path)
+    writer.write(9, (4, 2), block(9))
+    writer.flush()
+    assert 9 not in reader.index
+    assert np.array_equal(reader.read(9, (4, 2)), block(9)) and 9 in reader.index

@@ -43,16 +43,6 @@ def test_data_is_allocated_lazily_with_the_block_shape_and_dtype():
     assert t.block_bytes == 2 * 2 * 4 * 1 * 3 * 2
 
 
-def test_clear_and_drop_free_their_slots():
-    t = HostTier(2, SHAPE, np.float32)
-    t.put(1, ())
-    t.put(2, ())
-    t.drop(1)
-    assert 1 not in t and t.put(3, ()) is not None
-    t.clear()
-    assert len(t) == 0 and sorted(t.free) == [0, 1]
-
-
 def test_needs_a_slot():
     with pytest.raises(ValueError, match="at least one"):
         HostTier(0, SHAPE, np.float32)

@@ -12,9 +12,13 @@ from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.kv_offload import HostTier, KVOffload
-from jaxpaged.request import Request
-from jaxpaged.sampling_params import SamplingParams
-from tests.core.test_block_invariants import actions, check_invariants, check_step, feed_held
+from tests.core.test_block_invariants import actions, check_invariants, check_step, run_actions
+
+
+def overlapping_prompt(kind: str, ids: int, length: int) -> list[int]:
+    """Prefixes of a few sequences, so cached blocks leave the device and come back."""
+    base = {"add_shared": 0, "add_n": 0, "add_held": 50}.get(kind, 500 + 100 * (ids % 2))
+    return list(range(base, base + length))
 
 
 def check_host_tier(t: HostTier) -> None:
@@ -112,54 +116,11 @@ def test_random_schedules_read_and_store_the_right_tokens(actions, num_blocks, b
                                          num_host_blocks=5 if swap else 0, offload=offload))
     capacity = (num_blocks - 1) * block_size
     runner = ContentRunner(s, lag)
-    ids = 0
-    for kind, a, b in actions:
-        if kind == "add_n":
-            prompt_len = min(a, capacity - 1)
-            sp = SamplingParams(max_tokens=max(1, min(8, capacity - prompt_len)), n=b)
-            reqs = [Request(f"r{ids}#{i}", list(range(prompt_len)), sp, seed=i) for i in range(b)]
-            reqs[0].pending_forks = reqs[1:]
-            s.add_request(reqs[0])
-            ids += 1
-        elif kind == "add_held":
-            prompt_len = min(a, capacity - 1)
-            sp = SamplingParams(max_tokens=max(1, min(b, capacity - prompt_len)))
-            s.add_request(Request(f"r{ids}", list(range(50, 50 + prompt_len)), sp, seed=0, hold_output=True))
-            ids += 1
-        elif kind == "feed":
-            feed_held(s, only=a)
-        elif kind == "fork":
-            if s.running and s.num_reserved_seqs < config.max_num_seqs:
-                parent = s.running[a % len(s.running)]
-                child = Request(f"f{ids}", parent.prompt_token_ids, parent.sampling_params, seed=1,
-                                output_token_ids=list(parent.output_token_ids), hold_output=parent.hold_output)
-                at = parent.num_computed_tokens if parent.hold_output else min(parent.num_computed_tokens,
-                                                                               parent.num_tokens - 1)
-                s.fork(parent, child, at, share=b % 2 == 0)
-                ids += 1
-        elif kind in ("add", "add_shared"):
-            # prompts share prefixes of one sequence (or of a second one), so blocks leave and come back
-            prompt_len = min(a, capacity - 1)
-            base = 0 if kind == "add_shared" else 500 + 100 * (ids % 2)
-            max_tokens = max(1, min(b, capacity - prompt_len))
-            s.add_request(Request(f"r{ids}", list(range(base, base + prompt_len)),
-                                  SamplingParams(max_tokens=max_tokens), seed=0))
-            ids += 1
-        elif kind == "step":
-            runner.step(a + 3)
-        elif ids:
-            rid = f"r{a % ids}"
-            s.abort_requests([rid] + [f"{rid}#{i}" for i in range(4)])
+
+    def check(s: Scheduler) -> None:
         check_invariants(s)
         check_host_tier(offload.host)
-    for _ in range(10_000):
-        feed_held(s)
-        if not s.has_unfinished_requests():
-            break
-        had_in_flight = bool(runner.in_flight)
-        out = runner.step(3)
-        assert not out.is_empty or had_in_flight, "scheduler stalled with unfinished requests"
-        check_invariants(s)
-        check_host_tier(offload.host)
+
+    run_actions(s, runner, actions, capacity, check=check, prompt=overlapping_prompt)
     runner.drain()
     assert not s.has_unfinished_requests() and s.kv.num_free_blocks == num_blocks - 1

@@ -1,4 +1,4 @@
-"""Whole-block moves (copy-on-write copies, swap out, swap in) against numpy, across several 32-block chunks."""
+"""Whole-block moves (copy-on-write copies, to and from host rows) against numpy, across several 32-block chunks."""
 
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ def test_moves_of_more_than_one_chunk_equal_numpy():
     want[:, :, dst] = host[:, :, src]
     np.testing.assert_array_equal(copied, want)
 
-    np.testing.assert_array_equal(t.read(jnp.asarray(host), src), host[:, :, src])
+    rows = rng.permutation(3 * n)[:n].tolist()  # host rows of one block each, in any order
+    out = np.zeros((3 * n, L, 2, BS, KH, D), np.float32)
+    t.read(jnp.asarray(host), src, out, rows)
+    np.testing.assert_array_equal(out[rows], np.moveaxis(host[:, :, src], 2, 0))
 
-    data = pool(2)[:, :, :n]
-    written = np.asarray(t.write(jnp.asarray(host), dst, data))
+    data = rng.normal(size=(3 * n, L, 2, BS, KH, D)).astype(np.float32)  # host rows
+    written = np.asarray(t.write(jnp.asarray(host), dst, data, rows))
     want = host.copy()
-    want[:, :, dst] = data
+    want[:, :, dst] = np.moveaxis(data[rows], 0, 2)
     np.testing.assert_array_equal(written, want)
