@@ -99,6 +99,9 @@ class SchedulerConfig:
     # Token buckets with 1.5x steps between powers of two up to 256 (runner/buckets.py): on CPU a step's cost
     # grows with its padded rows; on GPU small steps cost about the same, so the extra compiles buy nothing.
     fine_token_buckets: bool = False
+    # Slots reserved past a decode's tokens (speculative decoding with a draft model: the draft model writes the
+    # KV of the drafts it proposes there, after the step)
+    num_lookahead_tokens: int = 0
 
     def token_buckets(self) -> list[int]:
         """The padded step sizes (tokens) the runner compiles and the scheduler fills."""
@@ -123,6 +126,7 @@ class EngineConfig:
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
     speculative: Any = None  # a SpeculativeConfig (spec_decode/config.py), or None: no speculative decoding
+    draft_model_config: ModelConfig | None = None  # speculative decoding with method "draft_model"
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -339,6 +343,7 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max_len}")
         max_tokens = self.max_num_batched_tokens or (2048 if gpu else 1024)
+        spec = self.resolved_speculative_config()
         if not self.enable_chunked_prefill:
             max_tokens = max(max_tokens, max_model_len)
         return SchedulerConfig(
@@ -353,6 +358,7 @@ class EngineArgs:
                                              if self.max_prefill_tokens_with_decodes is not None
                                              else 0 if gpu else 256),
             fine_token_buckets=not gpu,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0,
         )
 
     @classmethod

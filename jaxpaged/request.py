@@ -64,6 +64,8 @@ class Request:
     # Speculative decoding: draft tokens proposed for the next step (the scheduler takes them), and how many
     # drafts this request had verified and accepted so far.
     spec_token_ids: list[int] | tuple = ()
+    # draft-model speculation: (the request's token count when proposed, the draft model's next tokens)
+    draft_proposal: tuple[int, list[int]] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draft_rejections: int = 0  # verifications that ended at a rejected draft

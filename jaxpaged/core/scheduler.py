@@ -235,7 +235,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv, running = self.kv, self.running
         req_blocks, bs, caching, num_cached = kv.req_to_blocks, kv.block_size, kv.enable_prefix_caching, kv.req_to_num_cached
-        max_len = self.config.max_model_len
+        max_len, lookahead = self.config.max_model_len, self.config.num_lookahead_tokens
         add_req, add_n, add_start, add_samples = (out.requests.append, out.num_new_tokens.append, out.starts.append,
                                                   out.samples.append)
         prefill_left = self._prefill_budget(budget)  # prompt tokens this step may carry
@@ -270,12 +270,14 @@ class Scheduler:
             # no block to cache, so `allocate_slots` would do nothing (checked here: it runs for every request).
             blocks = req_blocks.get(req.request_id)
             first = computed // bs
-            if (req.needs_full_table or not blocks or first != (computed + n - 1) // bs or first >= len(blocks)
+            # (a draft model writes its drafts' KV after a decode's tokens: slots reserved for them, if they fit)
+            reach = min(n + lookahead, max_len - computed) if lookahead and computed + n - len(drafts) == end else n
+            if (req.needs_full_table or not blocks or first != (computed + reach - 1) // bs or first >= len(blocks)
                     or blocks[first].ref_cnt != 1
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
                 copies = len(kv.pending_copies)
-                new = kv.allocate_slots(req, n)
-                if new is None and drafts:  # the drafts do not fit: verify none rather than preempt for them
+                new = kv.allocate_slots(req, reach)
+                if new is None and (drafts or reach > n):  # verify no drafts rather than preempt for them
                     n -= len(drafts)
                     drafts = ()
                     new = kv.allocate_slots(req, n)
@@ -392,7 +394,11 @@ class Scheduler:
                     if not self.config.enable_chunked_prefill:
                         break
                     n = budget
-                if self.kv.allocate_slots(req, n, hits, offloaded) is None:
+                reach = n  # (with a draft model, a prompt computed in full also reserves its lookahead slots)
+                if self.config.num_lookahead_tokens and num_cached + n == req.num_tokens:
+                    reach = min(n + self.config.num_lookahead_tokens, self.config.max_model_len - num_cached)
+                if (self.kv.allocate_slots(req, reach, hits, offloaded) is None
+                        and (reach == n or self.kv.allocate_slots(req, n, hits, offloaded) is None)):
                     break
                 req.num_computed_tokens = num_cached
                 self.waiting.pop()

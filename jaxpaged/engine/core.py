@@ -51,7 +51,7 @@ class StepStats:
 class EngineCore:
     """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
 
-    def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None):
+    def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None, draft_model=None):
         self.config = config
         sc, cc = config.scheduler_config, config.cache_config
         self.offload = KVOffload.for_engine(config) if cc.offload_host_blocks and not stub else None
@@ -59,7 +59,8 @@ class EngineCore:
                                                enable_prefix_caching=cc.enable_prefix_caching,
                                                num_host_blocks=cc.num_host_blocks, offload=self.offload)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload)
+        self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload,
+                                  draft_model=draft_model)
         self.speculative = config.speculative
         # Drafts are proposed from known tokens, and a step's accepted count decides where the next one starts:
         # with speculative decoding, each step's results come in before the next is scheduled.
@@ -147,6 +148,10 @@ class EngineCore:
                     req.prompt_logprob_rows.extend(rows)
         stats.num_prompt_tokens = result.num_prompt_tokens
         advanced = self.scheduler.update_from_output(out, result.token_ids, result.accepted)
+        if result.proposals is not None:  # (draft model) each request's next drafts, valid at its current length
+            for i, drafts in result.proposals.items():
+                req = out.requests[i]
+                req.draft_proposal = (req.num_tokens, drafts.tolist())
         lp = result.logprobs
         if lp is not None:
             position: dict[int, int] = {}  # (speculative decoding: a request's tokens this step, in order)
@@ -191,7 +196,8 @@ class EngineCore:
                 and not p.needs_penalties and not p.needs_bias_row and req.num_output_tokens >= p.min_tokens)
 
     def _propose_drafts(self) -> None:
-        """n-gram drafts for every running request about to decode, within its max_tokens and max_model_len."""
+        """Drafts for every running request about to decode, within its max_tokens and max_model_len: n-gram
+        lookups, or what the draft model proposed in the step just taken."""
         spec, sc, batch = self.speculative, self.config.scheduler_config, self.runner.batch
         proposing, decodes, prefill = [], 0, 0
         for req in self.scheduler.running:
@@ -206,10 +212,13 @@ class EngineCore:
                 room = min(room, m - req.num_output_tokens - 1)
             if room <= 0 or not self.can_speculate(req):
                 continue
-            drafts = propose_ngram(batch.token_ids[req.batch_row, :n], room, spec.prompt_lookup_min,
-                                   spec.prompt_lookup_max)
-            req.spec_token_ids = drafts.tolist()
-            if drafts.size:
+            if spec.method == "draft_model":
+                proposal = req.draft_proposal
+                req.spec_token_ids = proposal[1][:room] if proposal is not None and proposal[0] == n else []
+            else:
+                req.spec_token_ids = propose_ngram(batch.token_ids[req.batch_row, :n], room, spec.prompt_lookup_min,
+                                                   spec.prompt_lookup_max).tolist()
+            if req.spec_token_ids:
                 proposing.append(req)
         if self.draft_budget is not None and proposing:
             cap = sc.max_prefill_tokens_with_decodes or sc.max_num_batched_tokens

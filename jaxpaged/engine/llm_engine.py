@@ -42,6 +42,7 @@ from jaxpaged.models.registry import (
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,22 @@ class ModelSetup(NamedTuple):
     model_config: ModelConfig
     tokenizer: Any
     scheduler_config: SchedulerConfig
+    draft_config: ModelConfig | None = None  # speculative decoding's draft model (method "draft_model")
 
 
 def prepare_model(args: EngineArgs) -> ModelSetup:
-    """Validate the flags, read the model's config and tokenizer (seconds, no weights, no compile)."""
+    """Validate the flags, read the model's config and tokenizer (seconds, no weights, no compile); with a draft
+    model, its config too (checked against the target's tokenizer)."""
     args.validate()
     path = args.model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype())
     tokenizer = load_tokenizer(args.tokenizer or path)
-    return ModelSetup(path, model_config, tokenizer, args.scheduler_config(model_config.max_position_embeddings))
+    spec = args.resolved_speculative_config()
+    draft_config = None
+    if spec is not None and spec.method == "draft_model":
+        draft_config = draft_model_config(spec.model, model_config, tokenizer, args.resolved_dtype())
+    return ModelSetup(path, model_config, tokenizer, args.scheduler_config(model_config.max_position_embeddings),
+                      draft_config)
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
@@ -93,12 +101,12 @@ class EngineStats:
 class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none are unfinished."""
 
-    def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False):
+    def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False, draft_model=None):
         self.config = config
         self.tokenizer = tokenizer
         mc = config.model_config
         self.structured = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids)
-        self.core = EngineCore(config, model, stub=stub, structured=self.structured)
+        self.core = EngineCore(config, model, stub=stub, structured=self.structured, draft_model=draft_model)
         self.warmup_seconds = self.core.warmup()
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -129,11 +137,11 @@ class LLMEngine:
         `setup` (from `prepare_model`) skips reading the config and tokenizer again. stub=True: no model and no
         device (`jaxpaged bench host`).
         """
-        path, model_config, tokenizer, sched = setup or prepare_model(args)
+        path, model_config, tokenizer, sched, draft_config = setup or prepare_model(args)
         t0 = time.perf_counter()
         attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
-        model, param_bytes = None, 0
+        model, draft_model, param_bytes = None, None, 0
         if not stub:
             model = build_model(model_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
                                 attention_backend=attention_backend)
@@ -142,8 +150,14 @@ class LLMEngine:
             if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
                 logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 runs ~1.3-1.5x faster here "
                             "(bf16 weights, float32 activations; greedy outputs differ slightly from float32's)")
-            param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-        blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes)
+            if draft_config is not None:
+                draft_model = build_model(draft_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
+                                          attention_backend=attention_backend)
+                logger.info("Loaded the draft model %s (%s, %d layers)", draft_config.model, draft_config.architecture,
+                            draft_config.num_layers)
+            param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
+                              for x in jax.tree.leaves(nnx.state(m)))
+        blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
         if (blocks - 1) * args.block_size < sched.max_model_len:
             logger.warning("The KV pool holds %d tokens, fewer than max_model_len=%d: long requests will be "
                            "rejected", (blocks - 1) * args.block_size, sched.max_model_len)
@@ -163,8 +177,9 @@ class LLMEngine:
             share_forked_blocks=args.share_forked_blocks,
             async_scheduling=args.resolved_async_scheduling(),
             speculative=args.resolved_speculative_config(),
+            draft_model_config=draft_config,
         )
-        return cls(config, tokenizer, model, stub=stub)
+        return cls(config, tokenizer, model, stub=stub, draft_model=draft_model)
 
     def flush_kv_offload(self) -> None:
         """Wait until the KV disk tier has written every block handed to it (the engine stays usable)."""

@@ -20,9 +20,12 @@ def free_device_memory(param_bytes: int) -> int | None:
     return int(limit) - int(stats.get("bytes_in_use", param_bytes))
 
 
-def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, param_bytes: int) -> int:
-    """Physical blocks for the pool (block 0, the null block, included), logged with where it came from."""
-    per_block = model_config.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size
+def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, param_bytes: int,
+                  draft_config: ModelConfig | None = None) -> int:
+    """Physical blocks for the pool (block 0, the null block, included), logged with where it came from.
+    With a draft model, each block also holds the draft's KV (a pool of its own, same block ids)."""
+    per_block = sum(c.kv_bytes_per_token(args.resolved_kv_dtype()) * block_size
+                    for c in (model_config, draft_config) if c is not None)
     if args.num_kv_blocks is not None:
         n, source = args.num_kv_blocks, "num_kv_blocks"
     else:

@@ -36,6 +36,7 @@ from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
 from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.spec_decode.draft_model import propose_drafts
 from jaxpaged.spec_decode.rejection import verify_drafts
 from jaxpaged.structured.bitmask import apply_token_bitmask
 from jaxpaged.structured.manager import StructuredOutputManager
@@ -86,12 +87,14 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, logprobs_mode, sampler_backend, spec_width: int, packer: StepPacker, state, kv_pool,
-          row_state: RowState, last_token, ints, floats, bitmask):
+def _step(graphdef, draft_graphdef, logprobs_mode, sampler_backend, spec_width: int, packer: StepPacker, state,
+          kv_pool, row_state: RowState, last_token, ints, floats, bitmask, draft_state, draft_pool):
     """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence
-    (with speculative decoding, verify each sequence's drafts: it emits 1 to K + 1 tokens).
+    (with speculative decoding, verify each sequence's drafts: it emits 1 to K + 1 tokens; with a draft model,
+    then propose each sequence's next K drafts, `propose_drafts`).
 
     bitmask [S, ceil(V / 32)] int32: the tokens each sequence row may draw (structured output; all ones = free).
+    draft_state, draft_pool: the draft model's params and KV pool (None without a draft model).
     """
     inp = packer.unpack(ints, floats)
     rows = inp.sampling.processors.token_slot
@@ -108,7 +111,16 @@ def _step(graphdef, logprobs_mode, sampler_backend, spec_width: int, packer: Ste
                             partial(no_drafts, k), out)
     final = out.token_ids if spec is None else jnp.take_along_axis(spec[0], spec[1][:, None] - 1, axis=1)[:, 0]
     last_token = last_token.at[inp.draw_rows].set(final, mode="drop")
-    return kv_pool, row_state, last_token, (out, spec), prompt_logprobs(model, hidden, inp.next_prompt_ids)
+    drafts = None
+    if draft_graphdef is not None:
+        s = final.shape[0]
+        rows = jnp.where(inp.draft_tokens >= 0, inp.draft_seq, s)
+        num_drafts = jnp.zeros(s, jnp.int32).at[rows].add(1, mode="drop")
+        draft_pool, drafts = propose_drafts(draft_graphdef, draft_state, draft_pool, token_ids, inp, final, num_drafts,
+                                            spec[1], inp.draw_rows < last_token.shape[0], spec_width,
+                                            logits.shape[-1])
+    return (kv_pool, row_state, last_token, (out, spec, drafts), prompt_logprobs(model, hidden, inp.next_prompt_ids),
+            draft_pool)
 
 
 def verified(model, hidden, inp, k: int, out: SamplerOutput):
@@ -197,6 +209,7 @@ class StepResult:
     prompt_logprobs: list | None  # per request: [(token, logprob, rank, top ids, top logprobs)] or None
     accepted: dict[int, list[int]] | None = None  # speculative decoding: per request index, its accepted drafts
     # (they come before token_ids[i]; logprobs then have a position axis: [n, K+1, ...])
+    proposals: dict[int, np.ndarray] | None = None  # draft model: per request index that drew, its next K drafts
 
 
 class ModelRunner:
@@ -207,7 +220,8 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False,
-                 structured: StructuredOutputManager | None = None, offload: KVOffload | None = None):
+                 structured: StructuredOutputManager | None = None, offload: KVOffload | None = None,
+                 draft_model: LlamaForCausalLM | None = None):
         self.config = config
         self.stub = stub
         self.structured = structured
@@ -225,6 +239,7 @@ class ModelRunner:
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
+        self.draft_transfer: BlockTransfer | None = None  # (the draft pool's copies)
         self._host_pool: np.ndarray | None = None
         self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
         if stub:
@@ -232,6 +247,12 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
                                      jnp.dtype(cc.dtype))
+        self.draft_graphdef = self.draft_state = self.draft_pool = None
+        if draft_model is not None:  # its own pool, same blocks: the target's block tables index both
+            dc = config.draft_model_config
+            self.draft_graphdef, self.draft_state = nnx.split(draft_model)
+            self.draft_pool = empty_kv_pool(dc.num_layers, cc.num_blocks, cc.block_size, dc.num_kv_heads, dc.head_dim,
+                                            jnp.dtype(cc.dtype))
         self.row_state = RowState.zeros(self.num_rows, mc.vocab_size)
         self.last_token = jnp.zeros(self.num_rows, jnp.int32)
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
@@ -246,8 +267,16 @@ class ModelRunner:
         return inp
 
     def _jitted(self, t: int):
-        return jax.jit(partial(_step, self.graphdef, self.config.logprobs_mode, self.config.sampler_backend,
-                               self.spec_width, self._packers[t]), donate_argnums=(1, 2, 3))
+        return jax.jit(partial(_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,
+                               self.config.sampler_backend, self.spec_width, self._packers[t]),
+                       donate_argnums=(1, 2, 3, 8))
+
+    def _run(self, step, ints, floats, bitmask):
+        """Call a step (compiled or jitted), keeping the device state it returns; returns (result, prompt_lp)."""
+        (self.kv_pool, self.row_state, self.last_token, result, prompt_lp, self.draft_pool) = step(
+            self.state, self.kv_pool, self.row_state, self.last_token, ints, floats, bitmask, self.draft_state,
+            self.draft_pool)
+        return result, prompt_lp
 
     def warmup(self) -> float:
         """Compile the step for every token bucket (ahead of time); returns seconds spent."""
@@ -259,11 +288,14 @@ class ModelRunner:
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             ints, floats = self._packers[t].pack(self._template(t))
             self._compiled[t] = self._jitted(t).lower(self.state, self.kv_pool, self.row_state, self.last_token,
-                                                      ints, floats, self._free_mask(t)).compile()
+                                                      ints, floats, self._free_mask(t), self.draft_state,
+                                                      self.draft_pool).compile()
         v = self.config.model_config.vocab_size
         self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
                                                   np.zeros(v, bool)).compile()
         self.transfer = BlockTransfer(self.kv_pool)
+        if self.draft_pool is not None:
+            self.draft_transfer = BlockTransfer(self.draft_pool)
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
@@ -277,8 +309,7 @@ class ModelRunner:
 
         def run(t: int, ints, floats) -> float:
             start = time.perf_counter()
-            self.kv_pool, self.row_state, self.last_token, result, _ = self._compiled[t](
-                self.state, self.kv_pool, self.row_state, self.last_token, ints, floats, self._free_mask(t))
+            result, _ = self._run(self._compiled[t], ints, floats, self._free_mask(t))
             jax.block_until_ready(result)
             return time.perf_counter() - start
 
@@ -373,8 +404,7 @@ class ModelRunner:
                 raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
             step = self._jitted(t)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
-            self.kv_pool, self.row_state, self.last_token, result, prompt_lp = step(
-                self.state, self.kv_pool, self.row_state, self.last_token, prep.ints, prep.floats, bitmask)
+            result, prompt_lp = self._run(step, prep.ints, prep.floats, bitmask)
         return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained, t)
 
     def _free_mask(self, t: int) -> jax.Array | np.ndarray:
@@ -390,16 +420,27 @@ class ModelRunner:
         plan, count = handle.plan, len(handle.plan.order)
         if plan.num_drafts is not None:
             return self._fetch_verified(handle)
+        drafts = None
         if self.stub:
             drawn = handle.result
         else:
-            drawn = np.asarray(jax.device_get(handle.result[0].token_ids))[:count]
+            drawn, drafts = jax.device_get((handle.result[0].token_ids, handle.result[2]))
+            drawn = np.asarray(drawn)[:count]
         keep = plan.samples & ~self.batch.held[plan.rows]  # (a beam's owner picks its token)
         self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
         tokens = np.full(count, -1, np.int32)
         tokens[plan.order] = np.where(plan.samples, drawn, -1)
         res = None if self.stub else handle.result[0]
-        return self._result(handle, tokens, lambda: (res.logprob, res.rank, res.top_ids, res.top_logprobs))
+        return self._result(handle, tokens, lambda: (res.logprob, res.rank, res.top_ids, res.top_logprobs),
+                            proposals=self._proposals(plan, drafts))
+
+    @staticmethod
+    def _proposals(plan: StepPlan, drafts) -> dict[int, np.ndarray] | None:
+        """The draft model's next drafts [K] per scheduled request index that drew a token (None without)."""
+        if drafts is None:
+            return None
+        drafts = np.asarray(drafts)
+        return {int(i): drafts[j] for j, i in enumerate(plan.order) if plan.samples[j]}
 
     def _fetch_verified(self, handle: StepHandle) -> StepResult:
         """`fetch` for a step that verified drafts: each request's accepted drafts, then its drawn token (the
@@ -408,9 +449,10 @@ class ModelRunner:
         if self.stub:  # every draft rejected: each request emits the step's token 7
             emitted = np.full((count, self.spec_width + 1), -1, np.int32)
             emitted[:, 0] = handle.result
-            counts = np.ones(count, np.int32)
+            counts, drafts = np.ones(count, np.int32), None
         else:
-            emitted, counts = (np.asarray(x)[:count] for x in jax.device_get(handle.result[1][:2]))
+            emitted, counts, drafts = jax.device_get((*handle.result[1][:2], handle.result[2]))
+            emitted, counts = np.asarray(emitted)[:count], np.asarray(counts)[:count]
         for j, (row, draws, gen, pos, c) in enumerate(zip(plan.rows, plan.samples, plan.generations,
                                                           plan.draw_positions, counts)):
             if draws and not self.batch.held[row]:  # the tokens land from the first draft's position on
@@ -422,9 +464,10 @@ class ModelRunner:
         tokens[plan.order] = np.where(plan.samples, last, -1)
         accepted = {int(i): emitted[j, : counts[j] - 1].tolist() for j, i in enumerate(plan.order)
                     if i in out.spec_tokens}
-        return self._result(handle, tokens, lambda: handle.result[1][2:], accepted)
+        return self._result(handle, tokens, lambda: handle.result[1][2:], accepted, self._proposals(plan, drafts))
 
-    def _result(self, handle: StepHandle, tokens: np.ndarray, logprob_arrays, accepted=None) -> StepResult:
+    def _result(self, handle: StepHandle, tokens: np.ndarray, logprob_arrays, accepted=None,
+                proposals=None) -> StepResult:
         """The StepResult of a fetched step: its tokens, and (when asked) the logprob arrays `logprob_arrays()`
         names, brought to the host in scheduler order, and the prompt logprobs per request."""
         plan, count = handle.plan, len(handle.plan.order)
@@ -437,7 +480,7 @@ class ModelRunner:
         prompt_lp = None
         if plan.wants_prompt_logprobs and not self.stub:
             prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
-        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp, accepted)
+        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp, accepted, proposals)
 
     @staticmethod
     def _split_prompt_logprobs(handle: StepHandle, prompt_lp) -> list:
@@ -470,18 +513,28 @@ class ModelRunner:
                 self.transfer.read(self.kv_pool, list(dev), self.offload.host.data, list(slots))
                 self.offload.stored(slots)
             if out.fork_copies:
-                self.kv_pool = self.transfer.copy(self.kv_pool, out.fork_copies)
+                self._copy_blocks(out.fork_copies)
             if out.swap_out:
                 dev, host = zip(*out.swap_out)
                 self.transfer.read(self.kv_pool, list(dev), self.host_pool, list(host))
             if out.block_copies:
-                self.kv_pool = self.transfer.copy(self.kv_pool, out.block_copies)
+                self._copy_blocks(out.block_copies)
             if out.swap_in:
                 host, dev = zip(*out.swap_in)
                 self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.host_pool, list(host))
             if out.kv_load:  # prefix blocks found in the host (or disk) tier, into their fresh device blocks
                 slots, dev = zip(*out.kv_load)
                 self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks src -> dst in the KV pool, and in the draft model's pool. (Swaps and the offload tiers move
+        the target's KV only: a request resumed from them drafts from a stale draft cache until it is rewritten;
+        its outputs do not change, drafts are verified.)"""
+        self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
+        if self.draft_pool is not None:
+            if self.draft_transfer is None:
+                self.draft_transfer = BlockTransfer(self.draft_pool)
+            self.draft_pool = self.draft_transfer.copy(self.draft_pool, pairs)
 
     @property
     def host_pool(self) -> np.ndarray:

@@ -6,16 +6,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # prompt_lookup_min/max when neither is given (vLLM's)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram prompt lookup (vLLM's names): propose the `num_speculative_tokens` tokens that followed the most
-    recent earlier occurrence of the request's last n tokens, trying n from prompt_lookup_max down to
-    prompt_lookup_min."""
+    """Speculative decoding (vLLM's names). method "ngram": propose the `num_speculative_tokens` tokens that
+    followed the most recent earlier occurrence of the request's last n tokens, trying n from prompt_lookup_max
+    down to prompt_lookup_min. method "draft_model": a smaller model sharing the tokenizer (`model`, an HF folder
+    or GGUF file, loaded like the target) proposes them greedily, inside the target's step
+    (spec_decode/draft_model.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -24,6 +26,7 @@ class SpeculativeConfig:
     # jaxpaged's own key: verify only the drafts that raise the step's tokens per second (spec_decode/budget.py);
     # False: every proposed draft, as vLLM does
     adaptive: bool = True
+    model: str | None = None  # the draft model's path (method "draft_model")
 
     @classmethod
     def from_user(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -37,16 +40,23 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({e.msg}): {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive", "model"}
         unknown = sorted(set(value) - known)
         if unknown:
-            hint = " (draft models are not supported yet: method 'ngram' only)" if "model" in unknown else ""
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}{hint}")
-        method = value.get("method", "ngram")
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}")
+        model = value.get("model")
+        method = value.get("method", "draft_model" if model is not None else "ngram")  # (vLLM infers it so)
         if method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}"
-                             + (" (draft models are not supported yet)" if method in ("draft_model", "eagle")
-                                else ""))
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model: method 'draft_model' needs the draft model's path, "
+                             f"got {model!r}")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model: method 'ngram' takes no model (use method 'draft_model')")
+        if method == "draft_model":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if name in value:
+                    raise ValueError(f"speculative_config.{name} applies to method 'ngram' only")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         k = value["num_speculative_tokens"]
@@ -65,4 +75,4 @@ class SpeculativeConfig:
         adaptive = value.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
-        return cls(method, k, hi, lo, adaptive)
+        return cls(method, k, hi, lo, adaptive, model)

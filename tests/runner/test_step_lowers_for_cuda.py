@@ -29,9 +29,9 @@ def test_engine_step_lowers_for_cuda(arch, speculative, tiny_model_dir):
     runner = ModelRunner(config, model)
     t = runner.buckets[-1]
     ints, floats = runner._packers[t].pack(runner._template(t))
-    step = partial(_step, runner.graphdef, config.logprobs_mode, config.sampler_backend, runner.spec_width,
+    step = partial(_step, runner.graphdef, None, config.logprobs_mode, config.sampler_backend, runner.spec_width,
                    runner._packers[t])
     text = lower_for_cuda(step, runner.state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats,
-                          runner._free_mask(t))
+                          runner._free_mask(t), None, None)
     assert "ragged_paged_attention" in text and "top_k_top_p" in text
     assert "jaxpaged_ragged_paged_attention" not in text  # (the CPU kernel's FFI target)

@@ -43,7 +43,7 @@ def test_config_parses_vllm_names_and_json():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
      "prompt_lookup_min"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key"),
     ("{not json", "JSON"),
 ])
 def test_bad_config_is_refused_before_the_model_loads(bad, field, tiny_model_dir):

@@ -64,3 +64,29 @@ def test_siblings_fork_when_the_first_token_comes_from_a_verifying_step():
     s.update_from_output(out, [9], {0: [5]})
     assert parent.output_token_ids == [5, 9]
     assert child in s.running and child.num_computed_tokens == 7  # forked: recomputes the last prompt token
+
+
+def test_lookahead_slots_are_reserved_for_a_draft_models_writes():
+    """With a draft model (num_lookahead_tokens = K), a decode holds blocks for K positions past its tokens: the
+    draft model writes its drafts' KV there after the step. Without room for them, the decode runs without."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, num_lookahead_tokens=3),
+                  KVCacheManager(16, 4))
+    a = Request("A", list(range(3, 10)), PARAMS, seed=0)  # 7 prompt tokens: blocks for 7 + 3 positions
+    s.add_request(a)
+    s.update_from_output(s.schedule(), [50])
+    assert len(s.kv.req_to_blocks["A"]) == 3
+    s.update_from_output(s.schedule(), [51])  # the decode at position 7: positions up to 10
+    assert len(s.kv.req_to_blocks["A"]) == 3
+    s.update_from_output(s.schedule(), [52])  # position 8: up to 11
+    assert len(s.kv.req_to_blocks["A"]) == 3
+    s.schedule()  # position 9: up to 12, a fourth block
+    assert len(s.kv.req_to_blocks["A"]) == 4
+    full = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, num_lookahead_tokens=3),
+                     KVCacheManager(4, 4))  # 3 usable blocks
+    b = Request("B", list(range(3, 10)), PARAMS, seed=0)
+    full.add_request(b)
+    full.update_from_output(full.schedule(), [50])
+    full.update_from_output(full.schedule(), [51])
+    full.update_from_output(full.schedule(), [52])
+    out = full.schedule()  # no fourth block: the decode runs in the blocks it has, nobody is preempted
+    assert out.num_new_tokens == [1] and out.preempted_ids == [] and len(full.kv.req_to_blocks["B"]) == 3
