@@ -222,7 +222,11 @@ class EngineArgs:
                              LOAD_FORMATS)
     dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
     kv_cache_dtype: str = _flag("auto", "KV cache dtype; auto: the model's dtype; bfloat16/float16 halve a float32 "
-                                        "pool, fp8 (unscaled, saturating) quarters it", KV_CACHE_DTYPES)
+                                        "pool, fp8 quarters it (scaled per layer and KV head, see "
+                                        "calculate_kv_scales)", KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _flag(True, "with an fp8 KV cache: calibrate a K and a V scale per layer and KV head "
+                                            "at startup (a fixed text through the model); off: scale 1.0 (vLLM's "
+                                            "default), values past the fp8 range saturate")
     seed: int = _flag(0, "seed for requests that set none")
     block_size: int = _flag(DEFAULT_BLOCK_SIZE, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _flag(None, "KV blocks in the pool, overriding the memory budget (vLLM's "

@@ -39,7 +39,7 @@ from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, mo
 from pallas_kernels.sampling import first_argmax, reference_top_k_top_p_sampling, top_k_top_p_sampling
 
 __all__ = ["Config", "KVCache", "load", "load_tokenizer", "pad_batch", "init_cache", "prefill", "decode", "sample",
-           "generate"]
+           "generate", "with_kv_scales"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,17 @@ def load_tokenizer(model: str | None = None):
     from jaxpaged.models.registry import load_tokenizer as _load
 
     return _load(model or default_model_path())
+
+
+def with_kv_scales(config: Config, params: dict, tokenizer, kv_cache_dtype: str = "fp8_e4m3") -> dict:
+    """`params` with fp8 KV scales, one K and one V scale per layer and KV head, calibrated as the engine does
+    (`jaxpaged.models.kv_scales`): a cache of that fp8 dtype then stores K and V divided by them. Without them an
+    fp8 cache is unscaled (values past its range saturate)."""
+    from jaxpaged.models.kv_scales import calibration_tokens, fp8_kv_scales, kv_amax
+
+    dtype = kv_pool_dtype(kv_cache_dtype, config.model.dtype)
+    amax = kv_amax(config.model, params, calibration_tokens(tokenizer))
+    return {**params, "kv_scale": jnp.asarray(fp8_kv_scales(amax, dtype))}
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Int[Array, "B P"], Int[Array, "B"]]:

@@ -41,6 +41,7 @@ from jaxpaged.models.registry import (
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
+from jaxpaged.models.kv_scales import calibration_tokens, fp8_kv_scales, is_fp8, kv_amax
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager
@@ -71,6 +72,15 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
         draft_config = draft_model_config(spec.model, model_config, tokenizer, args.resolved_dtype())
     return ModelSetup(path, model_config, tokenizer, args.scheduler_config(model_config.max_position_embeddings),
                       draft_config)
+
+
+def calibrate_kv_scales(model, tokenizer, kv_dtype: str) -> None:
+    """Give `model` fp8 KV scales from the calibration text (models/kv_scales.py), and log their range."""
+    start = time.perf_counter()
+    amax = kv_amax(model.cfg, model.params(), calibration_tokens(tokenizer))
+    model.set_kv_scales(fp8_kv_scales(amax, kv_dtype))
+    logger.info("fp8 KV scales calibrated in %.1f s: largest |K| per layer and head %.3g-%.3g, |V| %.3g-%.3g",
+                time.perf_counter() - start, amax[:, 0].min(), amax[:, 0].max(), amax[:, 1].min(), amax[:, 1].max())
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
@@ -155,6 +165,10 @@ class LLMEngine:
                                           attention_backend=attention_backend)
                 logger.info("Loaded the draft model %s (%s, %d layers)", draft_config.model, draft_config.architecture,
                             draft_config.num_layers)
+            if is_fp8(args.resolved_kv_dtype()) and args.calculate_kv_scales:
+                for m in (model, draft_model):
+                    if m is not None:
+                        calibrate_kv_scales(m, tokenizer, args.resolved_kv_dtype())
             param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
                               for x in jax.tree.leaves(nnx.state(m)))
         blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)

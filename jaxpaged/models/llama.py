@@ -74,6 +74,7 @@ def forward(
     """
     t = token_ids.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kv_scale = params.get("kv_scale")  # [L, 2, KH] fp8 KV scales (models/kv_scales.py), or None
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
 
@@ -88,6 +89,10 @@ def forward(
         q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
         k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
         v = v.reshape(t, kh, d)
+        if kv_scale is not None:  # the pool holds K / k_scale and V / v_scale: fold k_scale into q
+            ks, vs = kv_scale[idx, 0], kv_scale[idx, 1]  # [KH]
+            k, v = k / ks[:, None].astype(k.dtype), v / vs[:, None].astype(v.dtype)
+            q = (q.reshape(t, kh, h // kh, d) * ks[:, None, None].astype(q.dtype)).reshape(t, h, d)
         pool = write_kv(pool, idx, k, v, meta.slot_mapping)
         a = paged_attention(
             q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
@@ -95,6 +100,8 @@ def forward(
             sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
             backend=attention_backend, max_query_len=meta.max_query_len,
         )
+        if kv_scale is not None:  # ... and v_scale into the output
+            a = (a.reshape(t, kh, h // kh, d) * vs[:, None, None].astype(a.dtype)).reshape(t, h, d)
         o = dense(a.reshape(t, h * d), w["wo"])
         if cfg.o_bias:
             o = o + w["bo"]
@@ -156,6 +163,9 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     return params
 
 
+_data = getattr(nnx, "data", lambda x: x)  # (flax >= 0.12 wants data attributes first set to None marked)
+
+
 class LlamaLayers(nnx.Module):
     """Decoder layer weights: all layers stacked on a leading [L] axis, or one layer's."""
 
@@ -186,6 +196,12 @@ class LlamaForCausalLM(nnx.Module):
             self.layers = nnx.List([LlamaLayers(w) for w in params["layers"]])
         else:
             self.layers = LlamaLayers(params["layers"])
+        self.kv_scale = None  # fp8 KV scales [L, 2, KH] (`set_kv_scales`)
+
+    def set_kv_scales(self, scales: np.ndarray) -> None:
+        """Use fp8 KV scales [L, 2, KH] (models/kv_scales.py): K and V are stored divided by them. Before the
+        engine splits the model (a change of the state's structure recompiles)."""
+        self.kv_scale = _data(nnx.Variable(jnp.asarray(scales, jnp.float32)))
 
     def params(self) -> dict:
         """The parameter tree `forward` takes."""
@@ -193,6 +209,8 @@ class LlamaForCausalLM(nnx.Module):
         out = {"embed": self.embed[...], "final_norm": self.final_norm[...], "layers": layers}
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head[...]
+        if self.kv_scale is not None:
+            out["kv_scale"] = self.kv_scale[...]
         return out
 
     def __call__(

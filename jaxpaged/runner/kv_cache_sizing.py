@@ -61,9 +61,11 @@ def offload_settings(args: EngineArgs, model_config: ModelConfig, max_model_len:
     if not args.kv_offload_dir:
         return {"offload_host_blocks": n}
     from jaxpaged.kv_offload.identity import model_identity
+    from jaxpaged.models.kv_scales import is_fp8
 
-    identity = model_identity(model_config, load_format=args.load_format, kv_dtype=args.resolved_kv_dtype(),
-                              block_size=args.block_size)
+    kv_dtype = args.resolved_kv_dtype()
+    identity = model_identity(model_config, load_format=args.load_format, kv_dtype=kv_dtype,
+                              block_size=args.block_size, kv_scales=is_fp8(kv_dtype) and args.calculate_kv_scales)
     return {"offload_host_blocks": n, "offload_dir": args.kv_offload_dir,
             "offload_disk_bytes": int(args.kv_offload_disk_gb * 2**30), "offload_identity": identity}
 

@@ -20,8 +20,10 @@ def greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def functional_greedy(path, kv_cache_dtype) -> list[list[int]]:
+def functional_greedy(path, kv_cache_dtype, scales: bool = True) -> list[list[int]]:
     config, params = F.load(path)
+    if scales and kv_cache_dtype.startswith("fp8"):  # (as the engine calibrates them)
+        params = F.with_kv_scales(config, params, F.load_tokenizer(path), kv_cache_dtype)
     out = F.generate(config, params, *F.pad_batch(prompts()), jax.random.key(0), max_new_tokens=NEW_TOKENS,
                      kv_cache_dtype=kv_cache_dtype)
     return np.asarray(out).tolist()
@@ -82,3 +84,39 @@ def test_vllm_fp8_alias_is_e4m3():
 def test_bad_kv_cache_dtype_is_refused_before_loading():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("no-such-model", kv_cache_dtype="int4")
+
+
+def scaled_k(tiny_model_dir, tmp_path, factor: float) -> str:
+    """The tiny llama with K projections times `factor` and Q projections divided by it: the same attention
+    scores and outputs in float32, but K values far past fp8 e4m3's largest (448) for a large factor."""
+    import torch
+
+    from tests.tiny_models import load_hf_model, make_tokenizer
+
+    model = load_hf_model(tiny_model_dir("llama"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(factor)
+            layer.self_attn.q_proj.weight.div_(factor)
+    path = str(tmp_path / f"k{factor:g}")
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_fp8_scales_keep_large_keys_in_range(tiny_model_dir, tmp_path):
+    """Per-layer and per-head scales make an fp8 pool indifferent to K's magnitude: with K 2000x larger (and Q
+    2000x smaller: the float32 model is unchanged), the engine's fp8 outputs stay those of the original model;
+    unscaled (calculate_kv_scales=False, vLLM's scale of 1.0) the keys saturate and the outputs change."""
+    big = scaled_k(tiny_model_dir, tmp_path, 2000.0)
+    kw = dict(kv_cache_dtype="fp8_e4m3", num_kv_blocks=128, max_num_batched_tokens=128, compile_guard=True)
+    assert greedy(LLM(big, max_num_batched_tokens=128)) == greedy(LLM(tiny_model_dir("llama"),
+                                                                      max_num_batched_tokens=128))
+    reference = greedy(LLM(tiny_model_dir("llama"), **kw))
+    llm = LLM(big, **kw)
+    scale = np.asarray(llm.engine.runner.state["kv_scale"][...])  # [L, 2, KH]
+    assert (scale[:, 0] > 100 * scale[:, 1]).all()  # K's scales took the factor, V's did not
+    assert greedy(llm) == reference
+    unscaled = greedy(LLM(big, calculate_kv_scales=False, **kw))
+    agree = np.mean([a == b for x, y in zip(unscaled, reference) for a, b in zip(x, y)])
+    assert agree < 0.5, agree
