@@ -319,7 +319,12 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        self.resolved_speculative_config()
+        spec = self.resolved_speculative_config()
+        if spec is not None and spec.method == "draft_model" and (
+                self.kv_offload_host_gb or self.kv_offload_dir or self.preemption_mode == "swap"):
+            raise ValueError("speculative_config.model: a draft model does not work with kv_offload_host_gb, "
+                             "kv_offload_dir or preemption_mode='swap' yet (they move the target's KV only, and the "
+                             "draft model's cache would go stale)")
 
     def resolved_speculative_config(self):
         """The parsed `speculative_config` (a SpeculativeConfig), or None; ValueError names a bad key."""

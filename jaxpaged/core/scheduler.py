@@ -277,7 +277,9 @@ class Scheduler:
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
                 copies = len(kv.pending_copies)
                 new = kv.allocate_slots(req, reach)
-                if new is None and (drafts or reach > n):  # verify no drafts rather than preempt for them
+                if new is None and reach > n:  # no room for the lookahead: the draft model's writes then drop
+                    new = kv.allocate_slots(req, n)
+                if new is None and drafts:  # verify no drafts rather than preempt for them
                     n -= len(drafts)
                     drafts = ()
                     new = kv.allocate_slots(req, n)

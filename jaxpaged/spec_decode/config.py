@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,15 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}")
         model = value.get("model")
+        if model in ("[ngram]", "ngram"):  # (vLLM's older spelling of the n-gram method)
+            value = {k: v for k, v in value.items() if k != "model"}
+            value.setdefault("method", "ngram")
+            model = None
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         method = value.get("method", "draft_model" if model is not None else "ngram")  # (vLLM infers it so)
+        if method == "[ngram]":
+            method = "ngram"
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
         if method == "draft_model" and (not isinstance(model, str) or not model):

@@ -97,5 +97,11 @@ def propose_drafts(graphdef, state, kv_pool, token_ids: Int[Array, "T"], inp, fi
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (pool, nxt), nxt
 
-    (kv_pool, _), drafts = jax.lax.scan(one_token, (kv_pool, final), jnp.arange(k, dtype=jnp.int32))
-    return kv_pool, drafts.T
+    def passes(pool):
+        (pool, _), drafts = jax.lax.scan(one_token, (pool, final), jnp.arange(k, dtype=jnp.int32))
+        return pool, drafts.T
+
+    def none(pool):  # (a step that draws no token: all prompt chunks)
+        return pool, jnp.zeros((final.shape[0], k), jnp.int32)
+
+    return jax.lax.cond(jnp.any(active), passes, none, kv_pool)

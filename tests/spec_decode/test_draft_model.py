@@ -154,3 +154,11 @@ def test_bad_draft_configs_fail_before_weights_load(bad, field, tiny_model_dir):
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dir("llama"), speculative_config=bad)
     assert time.perf_counter() - start < 5  # no weights, no compile
+
+
+def test_draft_model_with_tiers_or_swap_is_refused(tiny_model_dir):
+    """The offload tiers and swap move the target's KV only: refused with a draft model, before loading."""
+    spec = spec_config(tiny_model_dir("llama-draft"))
+    for extra in ({"kv_offload_host_gb": 1}, {"preemption_mode": "swap"}):
+        with pytest.raises(ValueError, match="speculative_config.model"):
+            LLM(tiny_model_dir("llama"), speculative_config=spec, **extra)

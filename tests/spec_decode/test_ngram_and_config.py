@@ -35,6 +35,10 @@ def test_config_parses_vllm_names_and_json():
     c = SpeculativeConfig.from_user({"num_speculative_tokens": 2})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
     assert SpeculativeConfig.from_user(None) is None
+    c = SpeculativeConfig.from_user({"model": "[ngram]", "num_speculative_tokens": 2})  # vLLM's older spelling
+    assert (c.method, c.model) == ("ngram", None)
+    c = SpeculativeConfig.from_user({"model": "/a/draft", "num_speculative_tokens": 2})  # the method is implied
+    assert (c.method, c.model) == ("draft_model", "/a/draft")
 
 
 @pytest.mark.parametrize("bad, field", [
