@@ -1,4 +1,4 @@
-"""`jaxpaged` command line: generate, bench."""
+"""`jaxpaged` command line: generate, serve, convert, bench."""
 
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def _generate(ns: argparse.Namespace) -> None:
     for prompt, out in zip(prompts, outs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, "
               f"finish_reason={out.outputs[0].finish_reason}]")
+
+
+def _convert(ns: argparse.Namespace) -> None:
+    from jaxpaged.models.converted import convert
+    from jaxpaged.models.registry import default_model_path
+
+    print(convert(ns.model or default_model_path(), ns.out, dtype=ns.dtype, load_format=ns.load_format))
 
 
 def _serve(ns: argparse.Namespace) -> None:
@@ -77,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 
+    cv = sub.add_parser("convert", help="save a model as the engine's parameter tree (orbax) for fast starts; "
+                                        "--model OUT then loads it")
+    cv.add_argument("--model", default=None, help="HF folder or GGUF file (default: the default model)")
+    cv.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    cv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weights' dtype in the checkpoint (default: %(default)s)")
+    cv.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from the config (default: %(default)s)")
+    cv.set_defaults(func=_convert)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput, optionally against HF transformers")
@@ -107,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # (orbax logs every step of a checkpoint read at INFO)
     try:
         ns.func(ns)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -8,6 +8,7 @@ import json
 import os
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.converted import PARAMS_DIR, is_converted
 from jaxpaged.models.kv_scales import CALIBRATION_TEXT, HEADROOM
 
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
@@ -19,6 +20,8 @@ def _weight_files(path: str) -> list[str]:
         return [path]
     if not os.path.isdir(path):
         return []
+    if is_converted(path):  # (`jaxpaged convert`: an orbax checkpoint under params/)
+        return sorted(os.path.join(d, f) for d, _, files in os.walk(os.path.join(path, PARAMS_DIR)) for f in files)
     return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.converted import is_converted, load_converted
 from jaxpaged.models.gguf_import import gguf_hf_folder
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
@@ -149,10 +150,12 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
 
 
 def load_weights(cfg: ModelConfig, load_format: str = "auto") -> dict:
-    """Our parameter tree from the checkpoint at cfg.model (numpy arrays), or random weights (load_format
-    "dummy", vLLM's name: benchmarks need only a config)."""
+    """Our parameter tree from the checkpoint at cfg.model (an HF folder, a GGUF file, or a folder `jaxpaged
+    convert` wrote), or random weights (load_format "dummy", vLLM's name: benchmarks need only a config)."""
     if load_format == "dummy":
         return dummy_weights(cfg)
+    if is_converted(cfg.model):
+        return load_converted(cfg.model, cfg)
     if is_gguf(cfg.model):
         return load_gguf_weights(cfg.model, cfg)
     return load_safetensors_weights(cfg.model, cfg)
