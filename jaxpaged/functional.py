@@ -110,11 +110,10 @@ def with_kv_scales(config: Config, params: dict, tokenizer, kv_cache_dtype: str 
     """`params` with fp8 KV scales, one K and one V scale per layer and KV head, calibrated as the engine does
     (`jaxpaged.models.kv_scales`): a cache of that fp8 dtype then stores K and V divided by them. Without them an
     fp8 cache is unscaled (values past its range saturate)."""
-    from jaxpaged.models.kv_scales import calibration_tokens, fp8_kv_scales, kv_amax
+    from jaxpaged.models.kv_scales import calibrated_kv_scales
 
-    dtype = kv_pool_dtype(kv_cache_dtype, config.model.dtype)
-    amax = kv_amax(config.model, params, calibration_tokens(tokenizer))
-    return {**params, "kv_scale": jnp.asarray(fp8_kv_scales(amax, dtype))}
+    scales, _ = calibrated_kv_scales(config.model, params, tokenizer, kv_pool_dtype(kv_cache_dtype, config.model.dtype))
+    return {**params, "kv_scale": jnp.asarray(scales)}
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Int[Array, "B P"], Int[Array, "B"]]:

@@ -271,7 +271,7 @@ class Scheduler:
             blocks = req_blocks.get(req.request_id)
             first = computed // bs
             # (a draft model writes its drafts' KV after a decode's tokens: slots reserved for them, if they fit)
-            reach = min(n + lookahead, max_len - computed) if lookahead and computed + n - len(drafts) == end else n
+            reach = self._with_lookahead(n, computed) if lookahead and computed + n - len(drafts) == end else n
             if (req.needs_full_table or not blocks or first != (computed + reach - 1) // bs or first >= len(blocks)
                     or blocks[first].ref_cnt != 1
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
@@ -396,9 +396,8 @@ class Scheduler:
                     if not self.config.enable_chunked_prefill:
                         break
                     n = budget
-                reach = n  # (with a draft model, a prompt computed in full also reserves its lookahead slots)
-                if self.config.num_lookahead_tokens and num_cached + n == req.num_tokens:
-                    reach = min(n + self.config.num_lookahead_tokens, self.config.max_model_len - num_cached)
+                # (with a draft model, a prompt computed in full also reserves its lookahead slots)
+                reach = self._with_lookahead(n, num_cached) if num_cached + n == req.num_tokens else n
                 if (self.kv.allocate_slots(req, reach, hits, offloaded) is None
                         and (reach == n or self.kv.allocate_slots(req, n, hits, offloaded) is None)):
                     break
@@ -414,6 +413,11 @@ class Scheduler:
             budget -= n
         for req in reversed(skipped):
             self.waiting.add(req, front=True)
+
+    def _with_lookahead(self, n: int, start: int) -> int:
+        """Slots to hold for `n` tokens from `start` and the draft model's lookahead after them (within
+        max_model_len): where the draft model writes the KV of the drafts it proposes after the step."""
+        return min(n + self.config.num_lookahead_tokens, self.config.max_model_len - start)
 
     def fork(self, parent: Request, child: Request, num_tokens: int, *, share: bool = True) -> None:
         """Start `child` running with the parent's first `num_tokens` tokens computed, sharing their blocks

@@ -41,7 +41,7 @@ from jaxpaged.models.registry import (
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
-from jaxpaged.models.kv_scales import calibration_tokens, fp8_kv_scales, is_fp8, kv_amax
+from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager
@@ -77,8 +77,8 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
 def calibrate_kv_scales(model, tokenizer, kv_dtype: str) -> None:
     """Give `model` fp8 KV scales from the calibration text (models/kv_scales.py), and log their range."""
     start = time.perf_counter()
-    amax = kv_amax(model.cfg, model.params(), calibration_tokens(tokenizer))
-    model.set_kv_scales(fp8_kv_scales(amax, kv_dtype))
+    scales, amax = calibrated_kv_scales(model.cfg, model.params(), tokenizer, kv_dtype)
+    model.set_kv_scales(scales)
     logger.info("fp8 KV scales calibrated in %.1f s: largest |K| per layer and head %.3g-%.3g, |V| %.3g-%.3g",
                 time.perf_counter() - start, amax[:, 0].min(), amax[:, 0].max(), amax[:, 1].min(), amax[:, 1].max())
 

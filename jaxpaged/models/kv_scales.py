@@ -62,5 +62,11 @@ def fp8_kv_scales(amax: np.ndarray, kv_dtype) -> np.ndarray:
     return np.maximum(amax * HEADROOM / top, MIN_SCALE).astype(np.float32)
 
 
+def calibrated_kv_scales(cfg: ModelConfig, params: dict, tokenizer, kv_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(scales [L, 2, KH] for an fp8 pool of `kv_dtype`, the amax they came from) over the calibration text."""
+    amax = kv_amax(cfg, params, calibration_tokens(tokenizer))
+    return fp8_kv_scales(amax, kv_dtype), amax
+
+
 def is_fp8(kv_dtype) -> bool:
     return jnp.dtype(kv_dtype).itemsize == 1

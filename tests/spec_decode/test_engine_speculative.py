@@ -4,9 +4,9 @@ distributed as without it."""
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from jaxpaged import LLM, SamplingParams
+from tests.spec_decode.same_distribution import assert_same_distribution
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "adaptive": False}  # every draft verified (the draft budget is tested on its own)
@@ -120,10 +120,4 @@ def test_sampled_tokens_follow_the_same_distribution(plain, spec):
     a = np.array([o.outputs[0].token_ids for o in plain.generate([prompt] * n, params, use_tqdm=False)])
     b = np.array([o.outputs[0].token_ids for o in spec.generate([prompt] * n, params, use_tqdm=False)])
     assert spec.engine.stats.spec_num_draft_tokens - drafts > n  # positions 1-3 were mostly verified drafts
-    for pos in range(1, 4):
-        values = np.union1d(a[:, pos], b[:, pos])
-        table = np.array([[np.sum(x[:, pos] == v) for v in values] for x in (a, b)])
-        common = table.sum(0) >= 10
-        table = np.concatenate([table[:, common], table[:, ~common].sum(1, keepdims=True)], axis=1)
-        table = table[:, table.sum(0) > 0]
-        assert stats.chi2_contingency(table).pvalue > 1e-3, (pos, table)
+    assert_same_distribution(a, b, range(1, 4))
