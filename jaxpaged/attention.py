@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -73,6 +76,11 @@ def paged_attention(
     )
 
 
-def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
-    """A zeroed pool [L, 2, N, block_size, KH, D] of KV values of `dtype` (in its storage dtype)."""
-    return jnp.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), storage_dtype(dtype))
+def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+                  sharding=None):
+    """A zeroed pool [L, 2, N, block_size, KH, D] of KV values of `dtype` (in its storage dtype); with a
+    `sharding`, made in place on its devices (tensor parallelism: each holds its KV heads)."""
+    shape, dtype = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), storage_dtype(dtype)
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(partial(jnp.zeros, shape, dtype), out_shardings=sharding)()

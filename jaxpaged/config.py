@@ -275,6 +275,10 @@ class EngineArgs:
                                              "tier; it outlives the engine (a persistent prefix cache) and may be "
                                              "shared by engines of the same model")
     kv_offload_disk_gb: float = _flag(16.0, "GiB of files this engine keeps in --kv-offload-dir")
+    tensor_parallel_size: int = _flag(1, "devices to split the model over (Megatron-style: attention heads, MLP width "
+                                         "and vocabulary; KV heads replicated where fewer than devices)")
+    data_parallel_size: int = _flag(1, "engine replicas, each on its own tensor_parallel_size devices with its own KV "
+                                       "pool, behind one frontend; a request goes to the least-loaded replica")
     max_prefill_tokens_with_decodes: int | None = _flag(
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
               "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 256 on CPU")
@@ -319,7 +323,15 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         spec = self.resolved_speculative_config()
+        devices = self.tensor_parallel_size * self.data_parallel_size
+        if spec is not None and spec.method == "draft_model" and devices > 1:
+            raise ValueError("speculative_config.model: a draft model does not work with tensor_parallel_size or "
+                             "data_parallel_size > 1 yet")
         if spec is not None and spec.method == "draft_model" and (
                 self.kv_offload_host_gb or self.kv_offload_dir or self.preemption_mode == "swap"):
             raise ValueError("speculative_config.model: a draft model does not work with kv_offload_host_gb, "

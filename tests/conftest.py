@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("JAXPAGED_COMPILATION_CACHE", "off")  # tests measure nothing from the disk cache
+# 8 CPU devices (before JAX starts), for the tensor-parallel tests; a single-device step still runs on the first
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 from tests.tiny_models import make_tiny_model  # noqa: E402
 

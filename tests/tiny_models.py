@@ -73,6 +73,11 @@ def tiny_config(arch: str):
     if arch == "llama-bytes":  # the byte-level tokenizer's vocabulary; EOS is <|im_end|>
         return transformers.LlamaConfig(**{**common, "vocab_size": VOCAB_BYTES, "bos_token_id": 1, "eos_token_id": 2},
                                         tie_word_embeddings=False)
+    if arch == "llama-mqa":  # one KV head for all query heads (tensor parallelism replicates it)
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    if arch == "llama-mha":  # as many KV heads as query heads, 8 of each (tensor parallelism up to 8)
+        return transformers.LlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 8},
+                                        tie_word_embeddings=False)
     if arch == "llama-draft":  # a smaller model on the same tokenizer (a draft for speculative decoding)
         return transformers.LlamaConfig(**{**common, "hidden_size": 32, "intermediate_size": 64,
                                            "num_hidden_layers": 1, "num_attention_heads": 2,

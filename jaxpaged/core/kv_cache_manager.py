@@ -69,6 +69,20 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` whose full blocks the device's prefix cache holds now (a probe: nothing
+        is recorded; data-parallel routing asks each replica)."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent, n = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = block_pool.hash_block_tokens(parent, tokens)
+            if self.pool.get_cached_block(parent, tokens) is None:
+                break
+            n += bs
+        return n
+
     def get_offloaded_blocks(self, request: Request, start: int) -> list[int]:
         """Host slots (see kv_offload) holding the request's full blocks from block `start` on, in order, up to
         the first miss; never its last token. Empty without offload tiers."""

@@ -73,6 +73,11 @@ class EngineCore:
         self._dispatched_at = 0.0
         self.last_stats = StepStats()
 
+    @property
+    def replicas(self) -> list[EngineCore]:
+        """The cores behind this one: itself (`DataParallelCore` has several)."""
+        return [self]
+
     def warmup(self) -> float:
         seconds = self.runner.warmup()
         if self.draft_budget is not None:  # the step time of each bucket drafts may fill

@@ -28,20 +28,23 @@ from jaxpaged.config import (
     resolve_kernel_backend,
 )
 from jaxpaged.core.kv_cache_manager import cdiv
+from jaxpaged.distributed.tensor_parallel import check_tensor_parallel, replica_meshes
 from jaxpaged.engine.core import EngineCore, StepStats
+from jaxpaged.engine.data_parallel import DataParallelCore
 from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
 from jaxpaged.metrics import EngineMetrics
+from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
 from jaxpaged.models.registry import (
     build_model,
     cpu_has_bf16_dot,
     default_model_path,
     load_hf_config,
     load_tokenizer,
+    load_weights,
     model_config_from_hf,
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
-from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager
@@ -66,6 +69,7 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
     path = args.model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype())
     tokenizer = load_tokenizer(args.tokenizer or path)
+    check_tensor_parallel(model_config, args.tensor_parallel_size, args.data_parallel_size)
     spec = args.resolved_speculative_config()
     draft_config = None
     if spec is not None and spec.method == "draft_model":
@@ -77,7 +81,7 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
 def calibrate_kv_scales(model, tokenizer, kv_dtype: str) -> None:
     """Give `model` fp8 KV scales from the calibration text (models/kv_scales.py), and log their range."""
     start = time.perf_counter()
-    scales, amax = calibrated_kv_scales(model.cfg, model.params(), tokenizer, kv_dtype)
+    scales, amax = calibrated_kv_scales(model.cfg, model.params(), tokenizer, kv_dtype, model.mesh)
     model.set_kv_scales(scales)
     logger.info("fp8 KV scales calibrated in %.1f s: largest |K| per layer and head %.3g-%.3g, |V| %.3g-%.3g",
                 time.perf_counter() - start, amax[:, 0].min(), amax[:, 0].max(), amax[:, 1].min(), amax[:, 1].max())
@@ -112,11 +116,14 @@ class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none are unfinished."""
 
     def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False, draft_model=None):
+        """model: the model, or a list of copies on disjoint devices (data parallelism: a replica each)."""
         self.config = config
         self.tokenizer = tokenizer
         mc = config.model_config
         self.structured = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids)
-        self.core = EngineCore(config, model, stub=stub, structured=self.structured, draft_model=draft_model)
+        cores = [EngineCore(config, m, stub=stub, structured=self.structured, draft_model=draft_model)
+                 for m in (model if isinstance(model, list) else [model])]
+        self.core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
         self.warmup_seconds = self.core.warmup()
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -151,10 +158,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
-        model, draft_model, param_bytes = None, None, 0
+        model, models, draft_model, param_bytes = None, None, None, 0
         if not stub:
-            model = build_model(model_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
-                                attention_backend=attention_backend)
+            weights = load_weights(model_config, args.load_format)  # (once, for every data-parallel replica)
+            models = [build_model(model_config, weights=weights, kv_chunk=max(32, args.block_size),
+                                  attention_backend=attention_backend, mesh=mesh)
+                      for mesh in replica_meshes(args.tensor_parallel_size, args.data_parallel_size)]
+            del weights
+            model = models[0]
+            model_config = model.cfg  # (tensor parallelism: KV heads replicated up to the devices, where fewer)
             logger.info("Loaded %s (%s, %s weights, %s activations) in %.1f s", path, model_config.architecture,
                         model_config.dtype, model_config.compute_dtype, time.perf_counter() - t0)
             if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
@@ -169,6 +181,8 @@ class LLMEngine:
                 for m in (model, draft_model):
                     if m is not None:
                         calibrate_kv_scales(m, tokenizer, args.resolved_kv_dtype())
+                for m in models[1:]:  # (the replicas: the same weights, the same scales)
+                    m.set_kv_scales(model.kv_scale[...])
             param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
                               for x in jax.tree.leaves(nnx.state(m)))
         blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
@@ -193,12 +207,14 @@ class LLMEngine:
             speculative=args.resolved_speculative_config(),
             draft_model_config=draft_config,
         )
-        return cls(config, tokenizer, model, stub=stub, draft_model=draft_model)
+        return cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
+                   draft_model=draft_model)
 
     def flush_kv_offload(self) -> None:
         """Wait until the KV disk tier has written every block handed to it (the engine stays usable)."""
-        if self.core.offload is not None:
-            self.core.offload.flush()
+        for core in self.core.replicas:
+            if core.offload is not None:
+                core.offload.flush()
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -338,18 +354,20 @@ class LLMEngine:
         return results
 
     def record_step(self, step: StepStats) -> None:
-        kv, m = self.kv_cache_manager, self.metrics
-        used = kv.pool.num_blocks - 1 - kv.num_free_blocks
+        m, replicas = self.metrics, self.core.replicas
+        kvs = [c.kv_cache_manager for c in replicas]
+        used = sum(kv.pool.num_blocks - 1 - kv.num_free_blocks for kv in kvs)
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
         self.stats.num_steps += 1
         self.stats.num_prompt_tokens += step.num_prompt_tokens
         self.stats.num_generation_tokens += step.num_generation_tokens
         m.observe_step(prompt_tokens=step.num_prompt_tokens, generation_tokens=step.num_generation_tokens,
                        preemptions=step.num_preemptions, running=self.scheduler.num_running,
-                       waiting=self.scheduler.num_waiting, kv_usage=kv.usage(),
-                       prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens)
-        if self.core.offload is not None:
-            m.observe_offload(self.core.offload.stats())
+                       waiting=self.scheduler.num_waiting, kv_usage=sum(kv.usage() for kv in kvs) / len(kvs),
+                       prefix_queries_total=sum(kv.num_queried_tokens for kv in kvs),
+                       prefix_hits_total=sum(kv.num_hit_tokens for kv in kvs))
+        if replicas[0].offload is not None:
+            m.observe_offload(replicas[0].offload.stats())
         if step.spec_num_drafts:
             self.stats.spec_num_drafts += step.spec_num_drafts
             self.stats.spec_num_draft_tokens += step.spec_num_draft_tokens

@@ -37,8 +37,9 @@ def calibration_tokens(tokenizer) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=True)
 
 
-def kv_amax(cfg: ModelConfig, params: dict, token_ids: list[int], block_size: int = 16) -> np.ndarray:
-    """The largest |K| and |V| of each layer and KV head over `token_ids` run as one prompt: [L, 2, KH]."""
+def kv_amax(cfg: ModelConfig, params: dict, token_ids: list[int], block_size: int = 16, mesh=None) -> np.ndarray:
+    """The largest |K| and |V| of each layer and KV head over `token_ids` run as one prompt: [L, 2, KH] (mesh:
+    the params' tensor-parallel mesh)."""
     from jaxpaged.attention import empty_kv_pool
     from jaxpaged.models.llama import AttentionMetadata, forward
 
@@ -51,7 +52,8 @@ def kv_amax(cfg: ModelConfig, params: dict, token_ids: list[int], block_size: in
         seq_context_lens=jnp.zeros(1, jnp.int32), continuation_rows=jnp.full(1, -1, jnp.int32),
         block_tables=1 + jnp.arange(blocks, dtype=jnp.int32)[None, :])
     params = {k: v for k, v in params.items() if k != "kv_scale"}  # (recalibrating: measure the raw values)
-    _, pool = forward(cfg, params, jnp.asarray(token_ids, jnp.int32), pool, meta, attention_backend="reference")
+    _, pool = forward(cfg, params, jnp.asarray(token_ids, jnp.int32), pool, meta, attention_backend="reference",
+                       mesh=mesh)
     written = pool[:, :, 1:].reshape(cfg.num_layers, 2, blocks * block_size, cfg.num_kv_heads, cfg.head_dim)[:, :, :n]
     return np.asarray(jnp.abs(written).max(axis=(2, 4)))
 
@@ -62,9 +64,10 @@ def fp8_kv_scales(amax: np.ndarray, kv_dtype) -> np.ndarray:
     return np.maximum(amax * HEADROOM / top, MIN_SCALE).astype(np.float32)
 
 
-def calibrated_kv_scales(cfg: ModelConfig, params: dict, tokenizer, kv_dtype) -> tuple[np.ndarray, np.ndarray]:
+def calibrated_kv_scales(cfg: ModelConfig, params: dict, tokenizer, kv_dtype, mesh=None
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """(scales [L, 2, KH] for an fp8 pool of `kv_dtype`, the amax they came from) over the calibration text."""
-    amax = kv_amax(cfg, params, calibration_tokens(tokenizer))
+    amax = kv_amax(cfg, params, calibration_tokens(tokenizer), mesh=mesh)
     return fp8_kv_scales(amax, kv_dtype), amax
 
 

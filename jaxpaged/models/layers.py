@@ -29,11 +29,13 @@ def dense(x: Float[Array, "T K"], w: Float[Array, "K N"]) -> Float[Array, "T N"]
     return y.astype(x.dtype)
 
 
-def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"]
-              ) -> Float[Array, "T E"]:
-    """SiLU-gated MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul ([gate | up] columns)."""
-    gate, up = jnp.split(dense(x, w_gate_up), 2, axis=-1)
-    return dense(jax.nn.silu(gate) * up, w_down)
+def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"], *,
+              shards: int = 1) -> Float[Array, "T E"]:
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul. Its columns come in `shards`
+    groups (tensor parallelism: one per device), each [gate part | up part]; one group is [gate | up]."""
+    t = x.shape[0]
+    gate, up = jnp.split(dense(x, w_gate_up).reshape(t, shards, -1), 2, axis=-1)  # [T, shards, F / shards] each
+    return dense((jax.nn.silu(gate) * up).reshape(t, -1), w_down)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:

@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, replicated, shard_params
 from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_inv_freq
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
@@ -65,15 +67,33 @@ class AttentionMetadata:
 
 def forward(
     cfg: ModelConfig, params: dict, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"],
-    meta: AttentionMetadata, *, attention_backend: str = "reference", kv_chunk: int = 32,
+    meta: AttentionMetadata, *, attention_backend: str = "reference", kv_chunk: int = 32, mesh=None,
 ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
     """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool.
 
-    `params` is our parameter tree (`model_params`): embed, final_norm, optional lm_head, and the
-    stacked layer weights under "layers" ([L, ...] each), scanned over with `lax.scan`.
+    `params` is our parameter tree (`model_params`): embed, final_norm, optional lm_head, and the layer
+    weights under "layers" (stacked [L, ...] and scanned over with `lax.scan`, or a list of per-layer dicts).
+    mesh: tensor parallelism (`distributed/tensor_parallel.py`): params sharded by `shard_params` (built with
+    `model_params(..., shards=tp)`) and the pool by KV heads; the KV write and the attention run per shard.
     """
     t = token_ids.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    tp = mesh_size(mesh)
+
+    def attend(q, k, v, pool, idx, meta):  # per shard under a mesh: its KV heads and their query heads
+        pool = write_kv(pool, idx, k, v, meta.slot_mapping)
+        a = paged_attention(
+            q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
+            meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
+            sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
+            backend=attention_backend, max_query_len=meta.max_query_len,
+        )
+        return a, pool
+
+    if mesh is not None:
+        heads = P(None, AXIS, None)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, POOL_SPEC, P(), P()),
+                               out_specs=(heads, POOL_SPEC), check_vma=False)
     kv_scale = params.get("kv_scale")  # [L, 2, KH] fp8 KV scales (models/kv_scales.py), or None
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
@@ -82,10 +102,10 @@ def forward(
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = dense(y, w["wqkv"])  # [T, (H + 2 KH) D]
+        qkv = dense(y, w["wqkv"])  # [T, (H + 2 KH) D], in tp groups of [q | k | v] columns (`model_params`)
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
-        q, k, v = jnp.split(qkv, [h * d, (h + kh) * d], axis=-1)
+        q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
         q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
         k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
         v = v.reshape(t, kh, d)
@@ -93,20 +113,14 @@ def forward(
             ks, vs = kv_scale[idx, 0], kv_scale[idx, 1]  # [KH]
             k, v = k / ks[:, None].astype(k.dtype), v / vs[:, None].astype(v.dtype)
             q = (q.reshape(t, kh, h // kh, d) * ks[:, None, None].astype(q.dtype)).reshape(t, h, d)
-        pool = write_kv(pool, idx, k, v, meta.slot_mapping)
-        a = paged_attention(
-            q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
-            meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
-            sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
-            backend=attention_backend, max_query_len=meta.max_query_len,
-        )
+        a, pool = attend(q, k, v, pool, idx, meta)
         if kv_scale is not None:  # ... and v_scale into the output
             a = (a.reshape(t, kh, h // kh, d) * vs[:, None, None].astype(a.dtype)).reshape(t, h, d)
         o = dense(a.reshape(t, h * d), w["wo"])
         if cfg.o_bias:
             o = o + w["bo"]
         x = x + o
-        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"])
+        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"], shards=tp)
         return (x, pool), None
 
     if isinstance(params["layers"], (list, tuple)):  # one dict per layer: a Python loop, weights read in place
@@ -120,26 +134,38 @@ def forward(
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_pool
 
 
-def compute_logits(params: dict, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
-    """Vocabulary logits in float32 (the tied embedding when the model has no lm_head)."""
+def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None) -> Float[Array, "S V"]:
+    """Vocabulary logits in float32 (the tied embedding when the model has no lm_head); with a mesh, gathered
+    from the vocabulary-parallel shards onto every device (the sampler reads whole rows)."""
     if "lm_head" in params:
-        return jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
-                                   (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    # contracting the embedding's own axis 1: `embed.T` would have XLA:CPU copy the 56-113 MB table every call
-    embed = params["embed"]
-    return jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+        logits = jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
+                                     (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    else:  # contracting the embedding's own axis 1: `embed.T` would have XLA:CPU copy the 56-113 MB table each call
+        embed = params["embed"]
+        logits = jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    return logits if mesh is None else jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None) -> dict:
+def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
+    """Concatenate `parts` on their last axis in `shards` groups: [p0 part 0 | p1 part 0 | ... | p0 part 1 | ...],
+    so a column-parallel split into `shards` gives each device whole pieces of every part."""
+    grouped = [np.asarray(p).reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
+    fused = np.concatenate(grouped, axis=-1)
+    return fused.reshape(*fused.shape[:-2], -1)
+
+
+def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
+                 shards: int = 1) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
 
     q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
-    "w_gate_up". per_layer=False: params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts;
-    None: per layer on CPU, stacked elsewhere (see the module docstring).
+    "w_gate_up" (in `shards` groups, one per tensor-parallel device: `_fuse`). per_layer=False:
+    params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts; None: per layer on CPU, stacked
+    elsewhere (see the module docstring).
     """
     if per_layer is None:
         per_layer = jax.default_backend() == "cpu"
@@ -154,7 +180,7 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     layers = {name[len("layers."):]: weights[name] for name in expected if name.startswith("layers.")}
     for fused, parts in FUSED.items():
         if all(p in layers for p in parts):
-            layers[fused] = np.concatenate([np.asarray(layers.pop(p)) for p in parts], axis=-1)
+            layers[fused] = _fuse([layers.pop(p) for p in parts], shards)
     params: dict = {name: jnp.asarray(weights[name], dtype) for name in expected if not name.startswith("layers.")}
     if per_layer:
         params["layers"] = [{k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.num_layers)]
@@ -184,11 +210,14 @@ class LlamaForCausalLM(nnx.Module):
     weights under `lax.scan` (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
-                 kv_chunk: int = 32, per_layer: bool | None = None):
-        params = model_params(cfg, weights, per_layer=per_layer)
+                 kv_chunk: int = 32, per_layer: bool | None = None, mesh=None):
+        params = model_params(cfg, weights, per_layer=per_layer, shards=mesh_size(mesh))
+        if mesh is not None:
+            params = shard_params(mesh, params)
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.kv_chunk = kv_chunk
+        self.mesh = mesh  # tensor parallelism: params sharded over it (`distributed/tensor_parallel.py`)
         self.embed = nnx.Param(params["embed"])
         self.final_norm = nnx.Param(params["final_norm"])
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
@@ -218,8 +247,8 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
         """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool."""
         return forward(self.cfg, self.params(), token_ids, kv_pool, meta, attention_backend=self.attention_backend,
-                       kv_chunk=self.kv_chunk)
+                       kv_chunk=self.kv_chunk, mesh=self.mesh)
 
     def compute_logits(self, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
-        """Vocabulary logits in float32."""
-        return compute_logits(self.params(), hidden)
+        """Vocabulary logits in float32 (on every device, under a mesh)."""
+        return compute_logits(self.params(), hidden, self.mesh)

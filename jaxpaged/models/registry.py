@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import mesh_size, replicate_kv_heads
 from jaxpaged.models.converted import is_converted, load_converted
 from jaxpaged.models.gguf_import import gguf_hf_folder
 from jaxpaged.models.llama import LlamaForCausalLM
@@ -180,6 +181,12 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict:
     return out
 
 
-def build_model(cfg: ModelConfig, *, load_format: str = "auto", **kwargs) -> LlamaForCausalLM:
-    """Load the weights and build the model class registered for cfg.architecture."""
-    return ARCHITECTURES[cfg.architecture](cfg, load_weights(cfg, load_format), **kwargs)
+def build_model(cfg: ModelConfig, *, load_format: str = "auto", mesh=None, weights: dict | None = None,
+                **kwargs) -> LlamaForCausalLM:
+    """Load the weights (unless given, as `load_weights` returns them) and build the model class registered for
+    cfg.architecture. mesh: placed on its devices, tensor-parallel over them (KV heads replicated up to its size
+    where fewer: the model's `cfg.num_kv_heads` says how many)."""
+    weights = load_weights(cfg, load_format) if weights is None else weights
+    if mesh is not None:
+        cfg, weights = replicate_kv_heads(cfg, weights, mesh_size(mesh))
+    return ARCHITECTURES[cfg.architecture](cfg, weights, mesh=mesh, **kwargs)

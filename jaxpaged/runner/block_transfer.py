@@ -34,10 +34,12 @@ class BlockTransfer:
     def __init__(self, kv_pool):
         self.num_blocks = kv_pool.shape[2]
         ids = np.zeros(CHUNK, np.int32)
-        self._copy = jax.jit(_copy, donate_argnums=0).lower(kv_pool, ids, ids).compile()
+        keep = kv_pool.sharding  # (tensor parallelism: the pool stays sharded by KV heads)
+        self._copy = jax.jit(_copy, donate_argnums=0, out_shardings=keep).lower(kv_pool, ids, ids).compile()
         rows = jax.ShapeDtypeStruct((CHUNK, *kv_pool.shape[:2], *kv_pool.shape[3:]), kv_pool.dtype)
         self._gather_rows = jax.jit(_gather_rows).lower(kv_pool, ids).compile()
-        self._scatter_rows = jax.jit(_scatter_rows, donate_argnums=0).lower(kv_pool, ids, rows).compile()
+        self._scatter_rows = jax.jit(_scatter_rows, donate_argnums=0, out_shardings=keep).lower(
+            kv_pool, ids, rows).compile()
 
     def _chunks(self, ids: list[int], fill: int):
         for i in range(0, len(ids), CHUNK):

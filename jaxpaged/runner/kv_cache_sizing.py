@@ -32,10 +32,16 @@ def num_kv_blocks(args: EngineArgs, model_config: ModelConfig, block_size: int, 
         if args.kv_cache_memory is not None:
             budget, source = parse_bytes(args.kv_cache_memory), "kv_cache_memory"
         elif platform_is_gpu() and (free := free_device_memory(param_bytes)) is not None:
-            budget = int(free * args.gpu_memory_utilization)
+            # (tensor parallelism: each device holds 1 / tp of every block)
+            budget = int(free * args.gpu_memory_utilization) * args.tensor_parallel_size
             source = f"{args.gpu_memory_utilization:.0%} of free device memory"
+            if args.tensor_parallel_size > 1:
+                source += f" on each of {args.tensor_parallel_size} devices"
         else:
             budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "default CPU budget"
+        if args.data_parallel_size > 1 and not platform_is_gpu():  # one host's memory for every replica's pool
+            budget //= args.data_parallel_size
+            source += f", shared by {args.data_parallel_size} replicas"
         n = budget // per_block
     if n < 2:
         raise ValueError(f"the KV cache budget ({source}) gives {n} blocks; at least 2 are needed")

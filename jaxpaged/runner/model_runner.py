@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor, as_completed
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +28,9 @@ from tqdm.auto import tqdm
 from jaxpaged.attention import empty_kv_pool
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.distributed import multihost
+from jaxpaged.distributed.multihost import place, to_host
+from jaxpaged.distributed.tensor_parallel import pool_sharding, replicated
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
@@ -247,20 +250,31 @@ class ModelRunner:
         self.draft_transfer: BlockTransfer | None = None  # (the draft pool's copies)
         self._host_pool: np.ndarray | None = None
         self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
+        self.mesh = self.channel = None
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = model.mesh  # tensor parallelism: the pool sharded by KV heads, the rest of the state replicated
         self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                     jnp.dtype(cc.dtype))
+                                     jnp.dtype(cc.dtype), sharding=pool_sharding(self.mesh))
         self.draft_graphdef = self.draft_state = self.draft_pool = None
         if draft_model is not None:  # its own pool, same blocks: the target's block tables index both
             dc = config.draft_model_config
             self.draft_graphdef, self.draft_state = nnx.split(draft_model)
             self.draft_pool = empty_kv_pool(dc.num_layers, cc.num_blocks, cc.block_size, dc.num_kv_heads, dc.head_dim,
                                             jnp.dtype(cc.dtype))
-        self.row_state = RowState.zeros(self.num_rows, mc.vocab_size)
-        self.last_token = jnp.zeros(self.num_rows, jnp.int32)
+        self.row_state = self._replicated(RowState.zeros(self.num_rows, mc.vocab_size))
+        self.last_token = self._replicated(jnp.zeros(self.num_rows, jnp.int32))
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
+        self.channel = multihost.attach(self)  # a mesh over several processes: process 0 sends each device call
+
+    def _replicated(self, tree):
+        """`tree` on every device of the mesh (as is without one)."""
+        return tree if self.mesh is None else jax.tree.map(partial(place, sharding=replicated(self.mesh)), tree)
+
+    def _get(self, tree):
+        """Step results on the host (across processes: this process's copy of the replicated results)."""
+        return jax.device_get(tree) if self.channel is None else jax.tree.map(to_host, tree)
 
     def _num_seqs(self, num_tokens: int) -> int:
         return seq_bucket(num_tokens, self.config.scheduler_config.max_num_seqs)
@@ -309,6 +323,8 @@ class ModelRunner:
         self.transfer = BlockTransfer(self.kv_pool)
         if self.draft_pool is not None:
             self.draft_transfer = BlockTransfer(self.draft_pool)
+        if self.channel is not None:
+            self.channel.warmup(self.buckets)
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
@@ -372,6 +388,8 @@ class ModelRunner:
                 reset[row] = True
                 if req.processor_rows is not None and not self.stub:
                     bias, min_mask = req.processor_rows
+                    if self.channel is not None:
+                        self.channel.send_rows(row, bias, min_mask)
                     self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
             else:
                 batch.set_blocks(req.batch_row, block_ids)
@@ -417,6 +435,8 @@ class ModelRunner:
                 raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
             step = self._jitted(t)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+            if self.channel is not None:
+                self.channel.send_step(t, prep.ints, prep.floats, bitmask if prep.matchers else None)
             result, prompt_lp = self._run(step, prep.ints, prep.floats, bitmask)
         return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained, t)
 
@@ -425,7 +445,7 @@ class ModelRunner:
         if self.stub:
             return np.full((rows, self.mask_width), -1, np.int32)
         if rows not in self._free_masks:
-            self._free_masks[rows] = jnp.full((rows, self.mask_width), -1, jnp.int32)
+            self._free_masks[rows] = self._replicated(jnp.full((rows, self.mask_width), -1, jnp.int32))
         return self._free_masks[rows]
 
     def fetch(self, handle: StepHandle) -> StepResult:
@@ -437,7 +457,7 @@ class ModelRunner:
         if self.stub:
             drawn = handle.result
         else:
-            drawn, drafts = jax.device_get((handle.result[0].token_ids, handle.result[2]))
+            drawn, drafts = self._get((handle.result[0].token_ids, handle.result[2]))
             drawn = np.asarray(drawn)[:count]
         keep = plan.samples & ~self.batch.held[plan.rows]  # (a beam's owner picks its token)
         self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
@@ -464,7 +484,7 @@ class ModelRunner:
             emitted[:, 0] = handle.result
             counts, drafts = np.ones(count, np.int32), None
         else:
-            emitted, counts, drafts = jax.device_get((*handle.result[1][:2], handle.result[2]))
+            emitted, counts, drafts = self._get((*handle.result[1][:2], handle.result[2]))
             emitted, counts = np.asarray(emitted)[:count], np.asarray(counts)[:count]
         for j, (row, draws, gen, pos, c) in enumerate(zip(plan.rows, plan.samples, plan.generations,
                                                           plan.draw_positions, counts)):
@@ -486,13 +506,13 @@ class ModelRunner:
         plan, count = handle.plan, len(handle.plan.order)
         logprobs = None
         if plan.wants_logprobs and not self.stub:
-            r = jax.device_get(tuple(logprob_arrays()))
+            r = self._get(tuple(logprob_arrays()))
             logprobs = tuple(np.empty_like(x[:count]) for x in r)
             for dst, src in zip(logprobs, r):
                 dst[plan.order] = src[:count]
         prompt_lp = None
         if plan.wants_prompt_logprobs and not self.stub:
-            prompt_lp = self._split_prompt_logprobs(handle, jax.device_get(handle.prompt_lp))
+            prompt_lp = self._split_prompt_logprobs(handle, self._get(handle.prompt_lp))
         return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp, accepted, proposals)
 
     @staticmethod
@@ -543,6 +563,8 @@ class ModelRunner:
         """Copy blocks src -> dst in the KV pool, and in the draft model's pool. (Swaps and the offload tiers move
         the target's KV only: a request resumed from them drafts from a stale draft cache until it is rewritten;
         its outputs do not change, drafts are verified.)"""
+        if self.channel is not None and self.channel.leader:
+            self.channel.send_copy(pairs)
         self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
         if self.draft_pool is not None:
             if self.draft_transfer is None:

@@ -1,0 +1,1 @@
+"""Running one engine over several devices: tensor parallelism (`tensor_parallel.py`)."""

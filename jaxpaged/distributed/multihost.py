@@ -1,0 +1,154 @@
+"""Several processes, one mesh: `jax.distributed` joins them, process 0 runs the engine (scheduler, requests,
+outputs) and every other process runs the same jitted steps on its devices, with the inputs process 0 sends.
+
+JAX runs one program per process over a mesh that spans them all (multi-controller): each process must make the
+same device calls in the same order. Start-up (loading, placing the weights, compiling) is the same code on
+every process; after it, process 0's runner sends each device call through a `StepChannel` (a header, then
+its arrays, each a `broadcast_one_to_all` over the devices) and the followers (`follow`) make the call it
+names. A process that dies makes the others' next collective fail: they raise and end (JAX's heartbeat ends
+a process whose peer stopped answering, within `HEARTBEAT_SECONDS`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 10
+STEP, ROWS, COPY, STOP = 1, 2, 3, 4
+COPY_CHUNK = 32  # block pairs per copy call
+_initialized: tuple | None = None
+
+
+def check_multihost_args(num_processes: int, process_id: int, coordinator_address: str | None) -> None:
+    """Raise ValueError naming the bad flag."""
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    if isinstance(process_id, bool) or not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, num_processes={num_processes}), got {process_id!r}")
+    if num_processes > 1 and not coordinator_address:
+        raise ValueError("coordinator_address (HOST:PORT of process 0) is needed with num_processes > 1")
+
+
+def initialize(num_processes: int, process_id: int, coordinator_address: str, *, timeout_s: int = 120) -> None:
+    """Join the processes (once per process; before JAX's backend starts). CPU devices talk over gloo."""
+    global _initialized
+    key = (num_processes, process_id, coordinator_address)
+    if _initialized is not None:
+        if _initialized != key:
+            raise ValueError(f"this process already joined {_initialized}; it cannot join {key}")
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    logger.info("Process %d of %d: joining %s", process_id, num_processes, coordinator_address)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
+    _initialized = key
+
+
+def place(x, sharding):
+    """`x` (the same value on every process) as a global array with `sharding`, which may span processes."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(x) -> np.ndarray:
+    """A step result on the host: fully replicated results are read from this process's own copy."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(x.addressable_shards[0].data)
+
+
+class StepChannel:
+    """Process 0's device calls, sent to every process. Header [kind, a, b, c] int32, then the call's arrays."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.leader = jax.process_index() == 0
+        self.closed = False
+
+    def _header(self, kind: int = 0, a: int = 0, b: int = 0, c: int = 0) -> tuple[int, int, int, int]:
+        return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.array([kind, a, b, c], np.int32)))
+
+    @staticmethod
+    def _arrays(arrays):
+        return [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(tuple(arrays))]
+
+    # -- process 0 ------------------------------------------------------------------------
+    def send_step(self, t: int, ints: np.ndarray, floats: np.ndarray, bitmask: np.ndarray | None) -> None:
+        self._header(STEP, t, bitmask is not None)
+        self._arrays([ints, floats] if bitmask is None else [ints, floats, bitmask])
+
+    def send_rows(self, row: int, bias: np.ndarray, min_mask: np.ndarray) -> None:
+        self._header(ROWS, row)
+        self._arrays([bias.astype(np.float32), min_mask.astype(np.uint8)])
+
+    def send_copy(self, pairs: list[tuple[int, int]]) -> None:
+        for i in range(0, len(pairs), COPY_CHUNK):  # (fixed shapes: nothing compiles after warmup)
+            part = np.zeros((COPY_CHUNK, 2), np.int32)
+            part[: len(pairs[i : i + COPY_CHUNK])] = pairs[i : i + COPY_CHUNK]
+            self._header(COPY, len(pairs[i : i + COPY_CHUNK]))
+            self._arrays([part])
+
+    def close(self) -> None:
+        """Tell the followers to stop (once)."""
+        if not self.closed and self.leader:
+            self.closed = True
+            self._header(STOP)
+
+    def warmup(self, buckets) -> None:
+        """Compile every broadcast the calls use, on every process alike (during start-up, not after)."""
+        v = self.runner.config.model_config.vocab_size
+        self._header()
+        for t in buckets:
+            self._arrays(self._like_step(t, False))
+            self._arrays(self._like_step(t, True))
+        self._arrays([np.zeros(v, np.float32), np.zeros(v, np.uint8)])
+        self._arrays([np.zeros((COPY_CHUNK, 2), np.int32)])
+
+    def _like_step(self, t: int, masked: bool) -> list[np.ndarray]:
+        """Zero arrays shaped like a step's inputs for bucket `t` (with a structured-output bitmask or not)."""
+        runner = self.runner
+        packer = runner._packers[t]
+        like = [np.zeros(packer.sizes["i"], np.int32), np.zeros(packer.sizes["f"], np.float32)]
+        if masked:
+            like.append(np.zeros((runner._num_seqs(t), runner.mask_width), np.int32))
+        return like
+
+    # -- the others ---------------------------------------------------------------------
+    def follow(self) -> None:
+        """Make process 0's device calls until it stops."""
+        runner, v = self.runner, self.runner.config.model_config.vocab_size
+        while True:
+            kind, a, b, _ = self._header()
+            if kind == STEP:
+                ints, floats, *mask = self._arrays(self._like_step(a, bool(b)))
+                runner._run(runner._compiled[a], ints, floats, mask[0] if mask else runner._free_mask(a))
+            elif kind == ROWS:
+                bias, min_mask = self._arrays([np.zeros(v, np.float32), np.zeros(v, np.uint8)])
+                runner.row_state = runner._write_rows(runner.row_state, np.int32(a), bias, min_mask.astype(bool))
+            elif kind == COPY:
+                (pairs,) = self._arrays([np.zeros((COPY_CHUNK, 2), np.int32)])
+                runner._copy_blocks([tuple(p) for p in pairs[:a].tolist()])
+            elif kind == STOP:
+                return
+            else:
+                raise RuntimeError(f"process {jax.process_index()}: unknown device call {kind} from process 0")
+
+
+def attach(runner) -> StepChannel | None:
+    """Give `runner` a channel when the mesh spans processes (process 0 sends; the others will `follow`); the
+    followers are stopped when process 0 exits."""
+    if jax.process_count() == 1:
+        return None
+    channel = StepChannel(runner)
+    if channel.leader:
+        atexit.register(channel.close)
+    return channel
