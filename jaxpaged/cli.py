@@ -15,6 +15,8 @@ def _generate(ns: argparse.Namespace) -> None:
     from jaxpaged.engine.llm_engine import LLMEngine, check_prompt_length, prepare_model
 
     args = EngineArgs.from_cli_args(ns)
+    if args.process_id > 0:
+        return _follow(args)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
                             seed=ns.sampling_seed)
     setup = prepare_model(args)
@@ -41,19 +43,29 @@ def _convert(ns: argparse.Namespace) -> None:
     print(convert(ns.model or default_model_path(), ns.out, dtype=ns.dtype, load_format=ns.load_format))
 
 
+def _follow(args) -> None:
+    """Processes other than 0 (`--process-id N`): run process 0's steps until it stops."""
+    from jaxpaged.distributed.multihost import follow
+
+    follow(args)
+
+
 def _serve(ns: argparse.Namespace) -> None:
+    from jaxpaged.config import EngineArgs
     from server.serve import main as serve_main
 
+    if ns.process_id > 0:
+        return _follow(EngineArgs.from_cli_args(ns))
     serve_main(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import functional as functional_bench
     from jaxpaged.bench import host as host_bench
-    from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
     from jaxpaged.bench import kernels as kernel_bench
     from jaxpaged.bench import serve as serve_bench
     from jaxpaged.bench import throughput
+    from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
     from jaxpaged.config import EngineArgs
 
     parser = argparse.ArgumentParser(prog="jaxpaged", description="High-throughput LLM inference on JAX.")

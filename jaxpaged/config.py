@@ -279,6 +279,11 @@ class EngineArgs:
                                          "and vocabulary; KV heads replicated where fewer than devices)")
     data_parallel_size: int = _flag(1, "engine replicas, each on its own tensor_parallel_size devices with its own KV "
                                        "pool, behind one frontend; a request goes to the least-loaded replica")
+    num_processes: int = _flag(1, "processes sharing one mesh (jax.distributed), e.g. one per host: process 0 "
+                                  "schedules and serves, the others run its steps on their devices; "
+                                  "tensor_parallel_size then counts every process's devices")
+    process_id: int = _flag(0, "this process's index among num_processes (0 schedules and serves)")
+    coordinator_address: str | None = _flag(None, "HOST:PORT where process 0 coordinates the processes")
     max_prefill_tokens_with_decodes: int | None = _flag(
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
               "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 256 on CPU")
@@ -328,6 +333,17 @@ class EngineArgs:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         spec = self.resolved_speculative_config()
+        from jaxpaged.distributed.multihost import check_multihost_args
+
+        check_multihost_args(self.num_processes, self.process_id, self.coordinator_address)
+        if self.num_processes > 1:
+            for name, bad in (("data_parallel_size", self.data_parallel_size > 1), ("speculative_config", spec),
+                              ("preemption_mode", self.preemption_mode == "swap"),
+                              ("kv_offload_host_gb", self.kv_offload_host_gb), ("kv_offload_dir", self.kv_offload_dir),
+                              ("kv_cache_dtype", self.kv_cache_dtype.startswith("fp8") and self.calculate_kv_scales)):
+                if bad:
+                    raise ValueError(f"{name}: not supported with num_processes > 1 yet (one tensor-parallel mesh "
+                                     f"over the processes' devices is)")
         devices = self.tensor_parallel_size * self.data_parallel_size
         if spec is not None and spec.method == "draft_model" and devices > 1:
             raise ValueError("speculative_config.model: a draft model does not work with tensor_parallel_size or "

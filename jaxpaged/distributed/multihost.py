@@ -51,6 +51,24 @@ def initialize(num_processes: int, process_id: int, coordinator_address: str, *,
     _initialized = key
 
 
+def check_mesh(tensor_parallel_size: int) -> None:
+    """With several processes the mesh spans every device of every process."""
+    if tensor_parallel_size != len(jax.devices()):
+        raise ValueError(f"tensor_parallel_size must be {len(jax.devices())} with num_processes="
+                         f"{jax.process_count()} (every process's devices: one mesh over them all), got "
+                         f"{tensor_parallel_size}")
+
+
+def follow(args) -> None:
+    """A process other than 0: build the engine as process 0 does, then run its steps until it stops."""
+    from jaxpaged.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(args)
+    logger.info("Process %d of %d: running process 0's steps", jax.process_index(), jax.process_count())
+    engine.core.runner.channel.follow()
+    logger.info("Process %d: process 0 stopped; exiting", jax.process_index())
+
+
 def place(x, sharding):
     """`x` (the same value on every process) as a global array with `sharding`, which may span processes."""
     if sharding.is_fully_addressable:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.multihost import place
 
 AXIS = "tp"
 POOL_SPEC = P(None, None, None, None, AXIS)  # [L, 2, N, bs, KH, D]: each device holds its KV heads
@@ -100,7 +101,7 @@ def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...], stacked: bool)
 def shard_params(mesh: Mesh, params: dict) -> dict:
     """`params` (models.llama.model_params' tree) with every array placed by `param_sharding`."""
     def put(name, x, stacked=False):
-        return jax.device_put(x, param_sharding(mesh, name, x.shape, stacked))
+        return place(x, param_sharding(mesh, name, x.shape, stacked))
 
     out = {k: put(k, v) for k, v in params.items() if k != "layers"}
     layers = params["layers"]

@@ -28,6 +28,7 @@ from jaxpaged.config import (
     resolve_kernel_backend,
 )
 from jaxpaged.core.kv_cache_manager import cdiv
+from jaxpaged.distributed import multihost
 from jaxpaged.distributed.tensor_parallel import check_tensor_parallel, replica_meshes
 from jaxpaged.engine.core import EngineCore, StepStats
 from jaxpaged.engine.data_parallel import DataParallelCore
@@ -66,6 +67,9 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
     """Validate the flags, read the model's config and tokenizer (seconds, no weights, no compile); with a draft
     model, its config too (checked against the target's tokenizer)."""
     args.validate()
+    if args.num_processes > 1:  # (before anything starts JAX's backend)
+        multihost.initialize(args.num_processes, args.process_id, args.coordinator_address)
+        multihost.check_mesh(args.tensor_parallel_size)
     path = args.model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype())
     tokenizer = load_tokenizer(args.tokenizer or path)
