@@ -412,6 +412,8 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("|", "").strip(), str)
+            if "str" in str(f.type):  # (e.g. kv_cache_memory: a byte count or "4GiB")
+                kind = str
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                 help=help_text)
 

@@ -65,6 +65,10 @@ def test_loading_a_model_without_weights_fails_cleanly(config_only_model):
     (["--kv-offload-host-gb", "-2"], "error: kv_offload_host_gb must be"),
     (["--kv-offload-dir", "/tmp/kv", "--no-enable-prefix-caching"], "error: kv_offload_host_gb / kv_offload_dir need"),
     (["--max-model-len", "8", "--prompt", "w5 w6 w7 w8 w9 w10 w11 w12 w13"], "error: prompt: 9 tokens"),
+    (["--kv-cache-memory", "1GiB", "--max-model-len", "8", "--prompt", "w5 " * 9], "error: prompt: 9 tokens"),
+    (["--tensor-parallel-size", "16"], "error: tensor_parallel_size=16 x data_parallel_size=1 exceeds the"),
+    (["--data-parallel-size", "0"], "error: data_parallel_size must be a positive integer"),
+    (["--num-processes", "2"], "error: coordinator_address (HOST:PORT of process 0) is needed"),
 ])
 def test_bad_values_fail_before_the_model_loads(config_only_model, flags, message):
     got = run("generate", "--model", config_only_model, "--raw", *flags)

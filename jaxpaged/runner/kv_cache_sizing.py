@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 def free_device_memory(param_bytes: int) -> int | None:
     """Bytes free on the first device after params, or None where the backend does not say (CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
         return None

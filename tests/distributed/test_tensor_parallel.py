@@ -21,9 +21,13 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices 
 @pytest.mark.parametrize("arch, tp", [
     ("llama", 2),  # GQA, 2 KV heads: one per device
     ("llama", 4),  # ... replicated to 4
-    ("llama-mqa", 4),  # one KV head, replicated to every device
-    ("llama-mha", 8),  # 8 heads over 8 devices
+    ("llama-mqa", 2),  # one KV head, replicated to every device
+    ("llama-mqa", 4),
+    ("llama-mha", 2),  # 8 heads and 8 KV heads
+    ("llama-mha", 4),
+    ("llama-mha", 8),
     ("qwen2", 2),  # q/k/v biases, tied embeddings
+    ("qwen2", 4),
 ])
 def test_outputs_equal_one_device(arch, tp, tiny_model_dir):
     path = tiny_model_dir(arch)
