@@ -35,3 +35,35 @@ def test_engine_step_lowers_for_cuda(arch, speculative, tiny_model_dir):
                           runner._free_mask(t), None, None)
     assert "ragged_paged_attention" in text and "top_k_top_p" in text
     assert "jaxpaged_ragged_paged_attention" not in text  # (the CPU kernel's FFI target)
+
+
+def test_tensor_parallel_step_lowers_for_cuda(tiny_model_dir):
+    """The step with tensor parallelism 2 (GPU form): the Pallas attention inside shard_map's manual computation
+    over an abstract mesh of two H200s."""
+    import jax
+    from flax import nnx
+
+    from jaxpaged.distributed.tensor_parallel import tensor_parallel_mesh
+
+    path = tiny_model_dir("llama")
+    cfg = dataclasses.replace(model_config_from_hf(path, load_hf_config(path), "bfloat16"), activation_dtype="bfloat16")
+    model = build_model(cfg, per_layer=False, attention_backend="pallas", mesh=tensor_parallel_mesh(2))
+    config = EngineConfig(model_config=model.cfg,
+                          cache_config=CacheConfig(block_size=16, num_blocks=32, dtype="bfloat16"),
+                          scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                           max_model_len=256),
+                          attention_backend="pallas", sampler_backend="pallas")
+    runner = ModelRunner(config, model)
+    gpus = jax.sharding.AbstractMesh((2,), ("tp",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    model.mesh = gpus  # the same model, its shard_map over the GPUs
+    graphdef, state = nnx.split(model)
+    t = runner.buckets[-1]
+    ints, floats = runner._packers[t].pack(runner._template(t))
+    step = partial(_step, graphdef, None, config.logprobs_mode, config.sampler_backend, runner.spec_width,
+                   runner._packers[t])
+    arrays = (state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats, runner._free_mask(t))
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
+    with jax.sharding.use_abstract_mesh(gpus):
+        text = jax.jit(step).trace(*args, None, None).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention" in text and "manual_computation" in text and "top_k_top_p" in text
