@@ -59,11 +59,12 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == n * sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
     eng = llm.engine
-    kv = eng.kv_cache_manager
+    kvs = [core.kv_cache_manager for core in eng.core.replicas]  # (data parallelism: every replica's)
     result = summarize(label, reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
-                       kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
-                       compile_s=eng.warmup_seconds, n=n, prefix_cache_hit_tokens=kv.num_hit_tokens,
-                       prefix_cache_queried_tokens=kv.num_queried_tokens,
+                       kv_blocks_total=(eng.config.cache_config.num_blocks - 1) * len(kvs),
+                       num_steps=eng.stats.num_steps, compile_s=eng.warmup_seconds, n=n,
+                       prefix_cache_hit_tokens=sum(kv.num_hit_tokens for kv in kvs),
+                       prefix_cache_queried_tokens=sum(kv.num_queried_tokens for kv in kvs),
                        async_scheduling=eng.core.async_scheduling)
     if eng.config.speculative is not None:
         st = eng.stats
@@ -98,8 +99,9 @@ def run_beam_search(reqs: list[BenchRequest], engine_args: EngineArgs, width: in
     wall = time.perf_counter() - t0
     eng = llm.engine
     result = summarize(label, reqs, wall, warmup, peak_kv_blocks_used=eng.stats.peak_kv_blocks_used,
-                       kv_blocks_total=eng.config.cache_config.num_blocks - 1, num_steps=eng.stats.num_steps,
-                       beam_width=width, cow_copies=eng.kv_cache_manager.num_cow_copies)
+                       kv_blocks_total=(eng.config.cache_config.num_blocks - 1) * len(eng.core.replicas),
+                       num_steps=eng.stats.num_steps, beam_width=width,
+                       cow_copies=sum(core.kv_cache_manager.num_cow_copies for core in eng.core.replicas))
     result["output_tokens"] = sum(len(s.tokens) - len(r.prompt_token_ids) for r, o in zip(reqs, outs)
                                   for s in o.sequences)
     result["output_tokens_per_s"] = result["output_tokens"] / wall

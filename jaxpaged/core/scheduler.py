@@ -193,6 +193,11 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
+    def add_requests(self, reqs: list[Request]) -> None:
+        """Queue requests that belong together (a prompt's samples)."""
+        for req in reqs:
+            self.add_request(req)
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Stop requests wherever they are and free their blocks. Unknown ids are ignored."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

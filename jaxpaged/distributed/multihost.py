@@ -12,17 +12,21 @@ a process whose peer stopped answering, within `HEARTBEAT_SECONDS`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import threading
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpaged.runner.block_transfer import CHUNK
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 10
-STEP, ROWS, COPY, STOP = 1, 2, 3, 4
-COPY_CHUNK = 32  # block pairs per copy call
+NOOP, STEP, ROWS, COPY, STOP = 0, 1, 2, 3, 4
+KEEPALIVE_SECONDS = 300  # an idle process 0 sends a no-op this often (CPU collectives time out after 30 min)
 _initialized: tuple | None = None
 
 
@@ -81,7 +85,17 @@ def to_host(x) -> np.ndarray:
     """A step result on the host: fully replicated results are read from this process's own copy."""
     if x.is_fully_addressable:
         return np.asarray(x)
+    if not x.sharding.is_fully_replicated:
+        raise RuntimeError(f"a step result of shape {x.shape} is split over processes ({x.sharding}); process 0 "
+                           f"cannot read it")
     return np.asarray(x.addressable_shards[0].data)
+
+
+def from_leader(value: int) -> int:
+    """Process 0's `value` on every process (e.g. the KV block count: each process's memory may differ)."""
+    if jax.process_count() == 1:
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.array(value, np.int64)))
 
 
 class StepChannel:
@@ -91,6 +105,18 @@ class StepChannel:
         self.runner = runner
         self.leader = jax.process_index() == 0
         self.closed = False
+        self.broken = False  # a call was sent and not made (an error between): the followers wait in it
+        self.lock = threading.Lock()  # one call at a time: its header, arrays and the device call itself
+
+    @contextlib.contextmanager
+    def call(self):
+        """Hold the channel for one device call (send, then make it); an error inside breaks the channel."""
+        with self.lock:
+            try:
+                yield
+            except BaseException:
+                self.broken = True
+                raise
 
     def _header(self, kind: int = 0, a: int = 0, b: int = 0, c: int = 0) -> tuple[int, int, int, int]:
         return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.array([kind, a, b, c], np.int32)))
@@ -109,17 +135,41 @@ class StepChannel:
         self._arrays([bias.astype(np.float32), min_mask.astype(np.uint8)])
 
     def send_copy(self, pairs: list[tuple[int, int]]) -> None:
-        for i in range(0, len(pairs), COPY_CHUNK):  # (fixed shapes: nothing compiles after warmup)
-            part = np.zeros((COPY_CHUNK, 2), np.int32)
-            part[: len(pairs[i : i + COPY_CHUNK])] = pairs[i : i + COPY_CHUNK]
-            self._header(COPY, len(pairs[i : i + COPY_CHUNK]))
-            self._arrays([part])
+        """One chunk of block copies (at most `block_transfer.CHUNK` pairs: a fixed shape, compiled at warmup)."""
+        part = np.zeros((CHUNK, 2), np.int32)
+        part[: len(pairs)] = pairs
+        self._header(COPY, len(pairs))
+        self._arrays([part])
+
+    def keepalive(self) -> None:
+        """A no-op call, so an idle mesh's collectives do not time out."""
+        with self.call():
+            self._header(NOOP)
 
     def close(self) -> None:
-        """Tell the followers to stop (once)."""
-        if not self.closed and self.leader:
+        """Tell the followers to stop (once). Skipped when a call was left unmade (they wait in it; they end
+        when this process exits, by JAX's heartbeat) or another thread holds the channel past 30 s."""
+        if self.closed or not self.leader or self.broken or not self.lock.acquire(timeout=30):
+            return
+        try:
             self.closed = True
             self._header(STOP)
+        finally:
+            self.lock.release()
+
+    def check_same_engine(self) -> None:
+        """Raise ValueError unless every process built the same step shapes as process 0 (same flags, same
+        pool): otherwise the processes would run different programs and hang."""
+        r, sc, cc = self.runner, self.runner.config.scheduler_config, self.runner.config.cache_config
+        mine = np.array([cc.num_blocks, cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len,
+                         r.mask_width, len(r.buckets), sum(p.sizes["i"] + p.sizes["f"] for p in r._packers.values())],
+                        np.int64)
+        leaders = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+        if not np.array_equal(mine, leaders):
+            raise ValueError(f"process {jax.process_index()} built another engine than process 0 (blocks, block "
+                             f"size, max_num_seqs, max_num_batched_tokens, max_model_len, mask width, buckets, "
+                             f"step size: {mine.tolist()} vs {leaders.tolist()}): start every process with the "
+                             f"same flags")
 
     def warmup(self, buckets) -> None:
         """Compile every broadcast the calls use, on every process alike (during start-up, not after)."""
@@ -129,7 +179,7 @@ class StepChannel:
             self._arrays(self._like_step(t, False))
             self._arrays(self._like_step(t, True))
         self._arrays([np.zeros(v, np.float32), np.zeros(v, np.uint8)])
-        self._arrays([np.zeros((COPY_CHUNK, 2), np.int32)])
+        self._arrays([np.zeros((CHUNK, 2), np.int32)])
 
     def _like_step(self, t: int, masked: bool) -> list[np.ndarray]:
         """Zero arrays shaped like a step's inputs for bucket `t` (with a structured-output bitmask or not)."""
@@ -153,8 +203,10 @@ class StepChannel:
                 bias, min_mask = self._arrays([np.zeros(v, np.float32), np.zeros(v, np.uint8)])
                 runner.row_state = runner._write_rows(runner.row_state, np.int32(a), bias, min_mask.astype(bool))
             elif kind == COPY:
-                (pairs,) = self._arrays([np.zeros((COPY_CHUNK, 2), np.int32)])
-                runner._copy_blocks([tuple(p) for p in pairs[:a].tolist()])
+                (pairs,) = self._arrays([np.zeros((CHUNK, 2), np.int32)])
+                runner.kv_pool = runner.transfer.copy(runner.kv_pool, [tuple(p) for p in pairs[:a].tolist()])
+            elif kind == NOOP:
+                continue
             elif kind == STOP:
                 return
             else:

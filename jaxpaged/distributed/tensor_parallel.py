@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.multihost import place
 
 AXIS = "tp"
 POOL_SPEC = P(None, None, None, None, AXIS)  # [L, 2, N, bs, KH, D]: each device holds its KV heads
@@ -96,20 +95,6 @@ def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...], stacked: bool)
     else:
         spec = P()
     return NamedSharding(mesh, spec)
-
-
-def shard_params(mesh: Mesh, params: dict) -> dict:
-    """`params` (models.llama.model_params' tree) with every array placed by `param_sharding`."""
-    def put(name, x, stacked=False):
-        return place(x, param_sharding(mesh, name, x.shape, stacked))
-
-    out = {k: put(k, v) for k, v in params.items() if k != "layers"}
-    layers = params["layers"]
-    if isinstance(layers, list):
-        out["layers"] = [{k: put(k, v) for k, v in w.items()} for w in layers]
-    else:
-        out["layers"] = {k: put(k, v, stacked=True) for k, v in layers.items()}
-    return out
 
 
 def replicated(mesh: Mesh | None):

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.distributed.multihost import KEEPALIVE_SECONDS
+from jaxpaged.engine.data_parallel import DataParallelCore
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind
 from jaxpaged.request import RequestOutput, RequestStatus
@@ -197,18 +200,24 @@ class AsyncLLM:
 
     def _engine_loop(self) -> None:
         core = self.engine.core
+        channel = core.runner.channel if not isinstance(core, DataParallelCore) else None  # (several processes)
         try:
             while not self._stopped:
                 self._drain_inbox()
                 if not core.has_unfinished_requests():
-                    self._wake.wait()
+                    idle = not self._wake.wait(KEEPALIVE_SECONDS if channel is not None else None)
                     self._wake.clear()
+                    if idle and channel is not None:
+                        channel.keepalive()
                     continue
                 outputs = core.step()
                 self._outbox.put((outputs, core.last_stats))
         except BaseException as e:  # surface to every waiting stream instead of hanging them
             logger.exception("engine loop failed")
             self._fail(e)
+            if channel is not None:  # the other processes may wait in a call this one will not make: end them all
+                logger.critical("process 0's engine failed: exiting, which ends the other processes")
+                os._exit(1)
 
     # -- output thread ------------------------------------------------------------------
     def _output_loop(self) -> None:

@@ -35,13 +35,11 @@ class ReplicaRouter:
         self.num_routed = [0] * len(cores)
 
     def pick(self, prompt_token_ids: list[int]) -> int:
-        """The replica for a new prompt: the least loaded (`replica_load`) once the prompt's tokens its prefix
-        cache holds are counted off (so between equally loaded replicas the prefix cache decides, and a hit can
-        outweigh a little load); then the one holding more of the prompt; then the first."""
+        """The replica for a new prompt: the least loaded (`replica_load`); among equally loaded ones, the one whose
+        prefix cache holds the most of the prompt; then the first."""
         def key(i: int):
             core = self.cores[i]
-            cached = core.kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids)
-            return replica_load(core) - cached, -cached, i
+            return replica_load(core), -core.kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids), i
 
         return min(range(len(self.cores)), key=key)
 
@@ -49,9 +47,17 @@ class ReplicaRouter:
         return next((c for c in self.cores if request_id in c.scheduler.requests), None)
 
     def add_request(self, req: Request) -> None:
-        i = self.pick(req.prompt_token_ids)
+        self.add_requests([req])
+
+    def add_requests(self, reqs: list[Request]) -> None:
+        """Queue requests that belong together (a prompt's samples) on one replica."""
+        for req in reqs:
+            if req.request_id in self.requests:
+                raise ValueError(f"request_id {req.request_id!r} is already in use")
+        i = self.pick(reqs[0].prompt_token_ids)
         self.num_routed[i] += 1
-        self.cores[i].scheduler.add_request(req)
+        for req in reqs:
+            self.cores[i].scheduler.add_request(req)
 
     def fork(self, parent: Request, child: Request, num_tokens: int, *, share: bool = True) -> None:
         self.holder(parent.request_id).scheduler.fork(parent, child, num_tokens, share=share)

@@ -134,7 +134,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.metrics = EngineMetrics()
         cc = config.cache_config
-        self.metrics.set_cache_info(block_size=cc.block_size, num_blocks=cc.num_blocks, dtype=cc.dtype)
+        self.metrics.set_cache_info(block_size=cc.block_size, num_blocks=cc.num_blocks * len(self.core.replicas),
+                                    dtype=cc.dtype)
         self.output = OutputProcessor(tokenizer, self.metrics)
 
     # the core's parts, for tests and benchmarks
@@ -190,6 +191,7 @@ class LLMEngine:
             param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
                               for x in jax.tree.leaves(nnx.state(m)))
         blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
+        blocks = multihost.from_leader(blocks)  # (several processes: each sized its own; all take process 0's)
         if (blocks - 1) * args.block_size < sched.max_model_len:
             logger.warning("The KV pool holds %d tokens, fewer than max_model_len=%d: long requests will be "
                            "rejected", (blocks - 1) * args.block_size, sched.max_model_len)
@@ -249,8 +251,7 @@ class LLMEngine:
         if siblings and self.config.share_forked_blocks and not first.sampling_params.needs_penalties:
             first.pending_forks = siblings
             siblings = []
-        for req in (first, *siblings):
-            self.scheduler.add_request(req)
+        self.scheduler.add_requests([first, *siblings])  # (data parallelism: one replica for all)
 
     def add_request(
         self,

@@ -21,7 +21,8 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, replicated, shard_params
+from jaxpaged.distributed.multihost import place
+from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
 from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_inv_freq
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
@@ -73,8 +74,8 @@ def forward(
 
     `params` is our parameter tree (`model_params`): embed, final_norm, optional lm_head, and the layer
     weights under "layers" (stacked [L, ...] and scanned over with `lax.scan`, or a list of per-layer dicts).
-    mesh: tensor parallelism (`distributed/tensor_parallel.py`): params sharded by `shard_params` (built with
-    `model_params(..., shards=tp)`) and the pool by KV heads; the KV write and the attention run per shard.
+    mesh: tensor parallelism (`distributed/tensor_parallel.py`): params sharded as `model_params(..., mesh=mesh)`
+    places them and the pool by KV heads; the KV write and the attention run per shard.
     """
     t = token_ids.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -159,13 +160,14 @@ def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
 
 
 def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
-                 shards: int = 1) -> dict:
+                 mesh=None) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
 
     q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
-    "w_gate_up" (in `shards` groups, one per tensor-parallel device: `_fuse`). per_layer=False:
-    params["layers"] is a dict of [L, ...] arrays; True: a list of L dicts; None: per layer on CPU, stacked
-    elsewhere (see the module docstring).
+    "w_gate_up" (in one group per device of `mesh`: `_fuse`). per_layer=False: params["layers"] is a dict of
+    [L, ...] arrays; True: a list of L dicts; None: per layer on CPU, stacked elsewhere (see the module
+    docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
+    (`tensor_parallel.param_sharding`), so no device ever holds a whole model.
     """
     if per_layer is None:
         per_layer = jax.default_backend() == "cpu"
@@ -177,15 +179,22 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
     dtype = jnp.dtype(cfg.dtype)
+
+    def put(name: str, x, stacked: bool = False):
+        if mesh is None:
+            return jnp.asarray(x, dtype)
+        x = np.asarray(x)
+        return place(x if x.dtype == dtype else x.astype(dtype), param_sharding(mesh, name, x.shape, stacked))
+
     layers = {name[len("layers."):]: weights[name] for name in expected if name.startswith("layers.")}
     for fused, parts in FUSED.items():
         if all(p in layers for p in parts):
-            layers[fused] = _fuse([layers.pop(p) for p in parts], shards)
-    params: dict = {name: jnp.asarray(weights[name], dtype) for name in expected if not name.startswith("layers.")}
+            layers[fused] = _fuse([layers.pop(p) for p in parts], mesh_size(mesh))
+    params: dict = {name: put(name, weights[name]) for name in expected if not name.startswith("layers.")}
     if per_layer:
-        params["layers"] = [{k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.num_layers)]
+        params["layers"] = [{k: put(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
     else:
-        params["layers"] = {k: jnp.asarray(v, dtype) for k, v in layers.items()}
+        params["layers"] = {k: put(k, v, stacked=True) for k, v in layers.items()}
     return params
 
 
@@ -211,9 +220,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
                  kv_chunk: int = 32, per_layer: bool | None = None, mesh=None):
-        params = model_params(cfg, weights, per_layer=per_layer, shards=mesh_size(mesh))
-        if mesh is not None:
-            params = shard_params(mesh, params)
+        params = model_params(cfg, weights, per_layer=per_layer, mesh=mesh)
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.kv_chunk = kv_chunk
@@ -230,7 +237,9 @@ class LlamaForCausalLM(nnx.Module):
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """Use fp8 KV scales [L, 2, KH] (models/kv_scales.py): K and V are stored divided by them. Before the
         engine splits the model (a change of the state's structure recompiles)."""
-        self.kv_scale = _data(nnx.Variable(jnp.asarray(scales, jnp.float32)))
+        scales = np.asarray(scales, np.float32)
+        self.kv_scale = _data(nnx.Variable(jnp.asarray(scales) if self.mesh is None else
+                                           place(scales, replicated(self.mesh))))
 
     def params(self) -> dict:
         """The parameter tree `forward` takes."""

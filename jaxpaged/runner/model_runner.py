@@ -34,7 +34,7 @@ from jaxpaged.distributed.tensor_parallel import pool_sharding, replicated
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
-from jaxpaged.runner.block_transfer import BlockTransfer
+from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
@@ -272,6 +272,10 @@ class ModelRunner:
         """`tree` on every device of the mesh (as is without one)."""
         return tree if self.mesh is None else jax.tree.map(partial(place, sharding=replicated(self.mesh)), tree)
 
+    def _call(self):
+        """Hold the multi-process channel for one device call (nothing without one)."""
+        return contextlib.nullcontext() if self.channel is None else self.channel.call()
+
     def _get(self, tree):
         """Step results on the host (across processes: this process's copy of the replicated results)."""
         return jax.device_get(tree) if self.channel is None else jax.tree.map(to_host, tree)
@@ -303,6 +307,8 @@ class ModelRunner:
             return 0.0
         enable_persistent_compilation_cache()
         start = time.perf_counter()
+        if self.channel is not None:  # (before compiling: processes built from other flags fail here, clearly)
+            self.channel.check_same_engine()
         logger.info("Compiling the step for %d token buckets: %s", len(self.buckets), self.buckets)
         # Tracing holds the GIL; XLA's compile (or its load from the persistent cache) does not: buckets are
         # traced one by one and compiled on a thread per core (2 cores, SmolLM2: compile 53.7 -> 50.0 s cold,
@@ -388,9 +394,10 @@ class ModelRunner:
                 reset[row] = True
                 if req.processor_rows is not None and not self.stub:
                     bias, min_mask = req.processor_rows
-                    if self.channel is not None:
-                        self.channel.send_rows(row, bias, min_mask)
-                    self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
+                    with self._call():
+                        if self.channel is not None:
+                            self.channel.send_rows(row, bias, min_mask)
+                        self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
             else:
                 batch.set_blocks(req.batch_row, block_ids)
         for i, block_ids in out.new_block_ids.items():
@@ -434,7 +441,7 @@ class ModelRunner:
             if self.config.compile_guard:
                 raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
             step = self._jitted(t)
-        with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+        with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext(), self._call():
             if self.channel is not None:
                 self.channel.send_step(t, prep.ints, prep.floats, bitmask if prep.matchers else None)
             result, prompt_lp = self._run(step, prep.ints, prep.floats, bitmask)
@@ -563,9 +570,13 @@ class ModelRunner:
         """Copy blocks src -> dst in the KV pool, and in the draft model's pool. (Swaps and the offload tiers move
         the target's KV only: a request resumed from them drafts from a stale draft cache until it is rewritten;
         its outputs do not change, drafts are verified.)"""
-        if self.channel is not None and self.channel.leader:
-            self.channel.send_copy(pairs)
-        self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
+        if self.channel is not None:  # (one chunk at a time, each sent just before it is made)
+            for i in range(0, len(pairs), CHUNK):
+                with self._call():
+                    self.channel.send_copy(pairs[i : i + CHUNK])
+                    self.kv_pool = self.transfer.copy(self.kv_pool, pairs[i : i + CHUNK])
+        else:
+            self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
         if self.draft_pool is not None:
             if self.draft_transfer is None:
                 self.draft_transfer = BlockTransfer(self.draft_pool)

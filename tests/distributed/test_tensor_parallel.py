@@ -79,3 +79,17 @@ def test_kv_heads_that_do_not_divide_are_refused(tiny_model_dir):
     check_tensor_parallel(cfg, 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(4\)"):  # 12 heads divide by 6, 4 KV heads do not
         check_tensor_parallel(cfg, 6)
+
+
+def test_fp8_kv_with_calibrated_scales(tiny_model_dir):
+    """Calibrated fp8 scales live on the mesh (replicated) and give one device's outputs."""
+    path = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13, 40, 7] * 3, [8, 3, 11])]
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, kv_cache_dtype="fp8", num_kv_blocks=16, max_num_batched_tokens=32,
+                  compile_guard=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    scales = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state).params()["kv_scale"]
+    assert scales.sharding.is_fully_replicated and len(scales.sharding.device_set) == 2
+    assert outs[0] == outs[1]
