@@ -99,7 +99,8 @@ def from_leader(value: int) -> int:
 
 
 class StepChannel:
-    """Process 0's device calls, sent to every process. Header [kind, a, b, c] int32, then the call's arrays."""
+    """Process 0's device calls, sent to every process: a header [kind, a, b] int32, then the call's arrays. The
+    runner's `write_row`, `copy_chunk` and `run_step` send them; `follow` makes them on the other processes."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -118,8 +119,8 @@ class StepChannel:
                 self.broken = True
                 raise
 
-    def _header(self, kind: int = 0, a: int = 0, b: int = 0, c: int = 0) -> tuple[int, int, int, int]:
-        return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.array([kind, a, b, c], np.int32)))
+    def _header(self, kind: int = NOOP, a: int = 0, b: int = 0) -> tuple[int, int, int]:
+        return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.array([kind, a, b], np.int32)))
 
     @staticmethod
     def _arrays(arrays):
@@ -195,16 +196,16 @@ class StepChannel:
         """Make process 0's device calls until it stops."""
         runner, v = self.runner, self.runner.config.model_config.vocab_size
         while True:
-            kind, a, b, _ = self._header()
+            kind, a, b = self._header()
             if kind == STEP:
                 ints, floats, *mask = self._arrays(self._like_step(a, bool(b)))
-                runner._run(runner._compiled[a], ints, floats, mask[0] if mask else runner._free_mask(a))
+                runner.run_step(a, ints, floats, mask[0] if mask else runner._free_mask(a))
             elif kind == ROWS:
                 bias, min_mask = self._arrays([np.zeros(v, np.float32), np.zeros(v, np.uint8)])
-                runner.row_state = runner._write_rows(runner.row_state, np.int32(a), bias, min_mask.astype(bool))
+                runner.write_row(a, bias, min_mask.astype(bool))
             elif kind == COPY:
                 (pairs,) = self._arrays([np.zeros((CHUNK, 2), np.int32)])
-                runner.kv_pool = runner.transfer.copy(runner.kv_pool, [tuple(p) for p in pairs[:a].tolist()])
+                runner.copy_chunk([tuple(p) for p in pairs[:a].tolist()])
             elif kind == NOOP:
                 continue
             elif kind == STOP:

@@ -276,6 +276,34 @@ class ModelRunner:
         """Hold the multi-process channel for one device call (nothing without one)."""
         return contextlib.nullcontext() if self.channel is None else self.channel.call()
 
+    def _sends(self) -> bool:
+        """Whether this process sends its device calls to others (process 0 of several)."""
+        return self.channel is not None and self.channel.leader
+
+    # -- the device calls after warmup (process 0 sends each; the other processes make them from `follow`) ----
+    def write_row(self, row: int, bias: np.ndarray, min_mask: np.ndarray) -> None:
+        """A request's dense processor rows (logit bias, min_tokens mask) into processor slot `row`."""
+        with self._call():
+            if self._sends():
+                self.channel.send_rows(row, bias, min_mask)
+            self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
+
+    def copy_chunk(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy up to `CHUNK` blocks src -> dst in the KV pool."""
+        with self._call():
+            if self._sends():
+                self.channel.send_copy(pairs)
+            self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
+
+    def run_step(self, t: int, ints, floats, bitmask):
+        """Run the compiled step of bucket `t` (bitmask: a numpy structured-output mask, or a free mask kept on
+        the device); returns (result, prompt_lp)."""
+        with self._call():
+            if self._sends():
+                self.channel.send_step(t, ints, floats, bitmask if isinstance(bitmask, np.ndarray) else None)
+            step = self._compiled.get(t)
+            return self._run(self._jitted(t) if step is None else step, ints, floats, bitmask)
+
     def _get(self, tree):
         """Step results on the host (across processes: this process's copy of the replicated results)."""
         return jax.device_get(tree) if self.channel is None else jax.tree.map(to_host, tree)
@@ -393,11 +421,7 @@ class ModelRunner:
                 row = batch.add(req, block_ids)
                 reset[row] = True
                 if req.processor_rows is not None and not self.stub:
-                    bias, min_mask = req.processor_rows
-                    with self._call():
-                        if self.channel is not None:
-                            self.channel.send_rows(row, bias, min_mask)
-                        self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
+                    self.write_row(row, *req.processor_rows)
             else:
                 batch.set_blocks(req.batch_row, block_ids)
         for i, block_ids in out.new_block_ids.items():
@@ -436,15 +460,10 @@ class ModelRunner:
         if self.stub:
             return StepHandle(prep.out, prep.plan, np.full(len(prep.plan.order), 7, np.int32), None,
                               prep.constrained, t)
-        step = self._compiled.get(t)
-        if step is None:
-            if self.config.compile_guard:
-                raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
-            step = self._jitted(t)
-        with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext(), self._call():
-            if self.channel is not None:
-                self.channel.send_step(t, prep.ints, prep.floats, bitmask if prep.matchers else None)
-            result, prompt_lp = self._run(step, prep.ints, prep.floats, bitmask)
+        if t not in self._compiled and self.config.compile_guard:
+            raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
+        with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
+            result, prompt_lp = self.run_step(t, prep.ints, prep.floats, bitmask)
         return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained, t)
 
     def _free_mask(self, t: int) -> jax.Array | np.ndarray:
@@ -570,13 +589,8 @@ class ModelRunner:
         """Copy blocks src -> dst in the KV pool, and in the draft model's pool. (Swaps and the offload tiers move
         the target's KV only: a request resumed from them drafts from a stale draft cache until it is rewritten;
         its outputs do not change, drafts are verified.)"""
-        if self.channel is not None:  # (one chunk at a time, each sent just before it is made)
-            for i in range(0, len(pairs), CHUNK):
-                with self._call():
-                    self.channel.send_copy(pairs[i : i + CHUNK])
-                    self.kv_pool = self.transfer.copy(self.kv_pool, pairs[i : i + CHUNK])
-        else:
-            self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
+        for i in range(0, len(pairs), CHUNK):  # (several processes: each chunk is sent just before it is made)
+            self.copy_chunk(pairs[i : i + CHUNK])
         if self.draft_pool is not None:
             if self.draft_transfer is None:
                 self.draft_transfer = BlockTransfer(self.draft_pool)
