@@ -127,6 +127,7 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
     speculative: Any = None  # a SpeculativeConfig (spec_decode/config.py), or None: no speculative decoding
     draft_model_config: ModelConfig | None = None  # speculative decoding with method "draft_model"
+    load_format: str = "auto"  # how the weights were read (part of the model's identity in snapshots)
 
     @property
     def num_speculative_tokens(self) -> int:

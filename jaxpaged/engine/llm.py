@@ -129,6 +129,28 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    # -- snapshots ----------------------------------------------------------------------------
+    def save_state(self, path: str) -> int:
+        """Save every unfinished request (prompt, tokens so far, sampling params and seeds) as a snapshot in
+        folder `path`, atomically; the engine goes on unchanged. Returns how many requests were saved."""
+        return self.engine.save_state(path)
+
+    def load_state(self, path: str) -> list[str]:
+        """Queue the requests of the newest intact snapshot in `path` (from an engine with the same model and
+        dtype); returns their ids. `run_until_finished(ids)` then gives their outputs, the same an uninterrupted
+        run gives for greedy and seeded requests."""
+        return self.engine.load_state(path)
+
+    def run_until_finished(self, request_ids: Sequence[str] | None = None, *, use_tqdm: bool = True
+                           ) -> list[RequestOutput]:
+        """Step until every unfinished request ends; the final outputs of `request_ids` (default: all of
+        them), in order."""
+        ids = list(self.engine.output.parents) if request_ids is None else list(request_ids)
+        unknown = [i for i in ids if not self.engine.output.has(i)]
+        if unknown:
+            raise ValueError(f"request_ids: {unknown[:5]} are not unfinished requests of this engine")
+        return self._run(ids, use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)

@@ -212,6 +212,7 @@ class LLMEngine:
             async_scheduling=args.resolved_async_scheduling(),
             speculative=args.resolved_speculative_config(),
             draft_model_config=draft_config,
+            load_format=args.load_format,
         )
         return cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
                    draft_model=draft_model)
@@ -264,7 +265,10 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while self.output.has(request_id):  # (numbers a restored snapshot's requests hold)
+                request_id = str(next(self._ids))
         if self.output.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority)
@@ -330,6 +334,22 @@ class LLMEngine:
         if cdiv(longest, cc.block_size) > cc.num_blocks - 1:
             raise ValueError(f"prompt: {longest} tokens (prompt + max_tokens) need more KV blocks than the pool has "
                              f"({cc.num_blocks - 1} x {cc.block_size} tokens)")
+
+    # -- snapshots (engine/snapshot.py) ---------------------------------------------------------
+    def save_state(self, path: str) -> int:
+        """Save every unfinished request to the snapshot folder `path` (atomically; the engine goes on unchanged).
+        Returns how many were saved."""
+        from jaxpaged.engine.snapshot import save_snapshot
+
+        return save_snapshot(self, path)
+
+    def load_state(self, path: str, *, missing_ok: bool = False) -> list[str]:
+        """Queue the requests of the newest intact snapshot in `path`, to continue where they were; returns their
+        ids. A snapshot of another model, dtype or version raises SnapshotError (a ValueError); none there,
+        FileNotFoundError unless missing_ok."""
+        from jaxpaged.engine.snapshot import load_snapshot
+
+        return load_snapshot(self, path, missing_ok=missing_ok)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests (and all their samples) and free their blocks at once."""

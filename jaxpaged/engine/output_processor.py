@@ -114,6 +114,23 @@ class OutputProcessor:
             self.parent_of[req.request_id] = parent
         self.parents[request_id] = parent
 
+    def restore_samples(self, request_id: str, saved: list[dict]) -> None:
+        """Bring a just-added request's samples to a snapshot's state (engine/snapshot.py): the tokens taken in,
+        their text and logprobs, or how a sample finished. Outputs made from here on hold everything so far."""
+        for sample, d in zip(self.parents[request_id].samples, saved):
+            tokens = d["output_token_ids"]
+            sample.num_tokens = len(tokens)
+            if sample.detokenizer is not None and tokens:
+                for t in tokens:  # (one by one: the text a sample streamed token by token)
+                    sample.detokenizer.add_tokens([t])
+                sample.stop_checked = len(sample.detokenizer.text)
+            if sample.logprobs is not None:
+                sample.logprobs = [self._logprob_entry(t, info) for t, info in
+                                   zip(tokens, sample.request.output_logprobs)]
+            if d["finish_reason"] is not None:
+                sample.finish_reason, sample.stop_reason = d["finish_reason"], d["stop_reason"]
+                sample.final_text = d["final_text"]
+
     def has(self, request_id: str) -> bool:
         return request_id in self.parents
 
