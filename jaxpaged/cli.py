@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "file or folder name)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running streams may take to "
                                                                           "finish after SIGTERM (default: %(default)s)")
+    srv.add_argument("--tenants", default=None, metavar="FILE",
+                     help="a TOML or JSON file of tenants: each one's API key, priority class, max concurrent "
+                     "requests, tokens per minute and KV-pool share (see jaxpaged/tenants.py); other keys get 401 "
+                     "(default: none)")
+    srv.add_argument("--snapshot-dir", default=None, help="on SIGTERM, save the requests still running after the "
+                     "shutdown timeout to this folder; at start, restore and finish those saved there (their outputs "
+                     "go to restored_outputs.jsonl in it) (default: none)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 

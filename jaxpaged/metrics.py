@@ -98,6 +98,20 @@ class EngineMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish.")
         self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        # (a server with tenants) per tenant
+        self.tenant_requests = Counter(p + "tenant_requests", "Requests accepted, by tenant.", ["tenant"], registry=r)
+        self.tenant_success = Counter(p + "tenant_request_success", "Finished requests by tenant and reason.",
+                                      ["tenant", "finished_reason"], registry=r)
+        self.tenant_rejections = Counter(p + "tenant_rejections", "Requests refused by a tenant limit (HTTP 429).",
+                                         ["tenant", "limit"], registry=r)
+        self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens", "Prompt tokens of accepted requests.",
+                                            ["tenant"], registry=r)
+        self.tenant_generation_tokens = Counter(p + "tenant_generation_tokens", "Tokens generated.", ["tenant"],
+                                                registry=r)
+        self.tenant_kv_blocks = Gauge(p + "tenant_kv_blocks", "KV blocks held by the tenant's running requests.",
+                                      ["tenant"], registry=r)
+        self.tenant_running = Gauge(p + "tenant_num_requests_running", "Requests in flight, by tenant.", ["tenant"],
+                                    registry=r)
         self._last_log = time.monotonic()
         self._totals = {"prompt": 0, "gen": 0, "queries": 0, "hits": 0}  # plain copies, for the log line
         self._last_prompt = 0

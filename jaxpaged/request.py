@@ -39,6 +39,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     priority: int = 0
+    tenant: str | None = None  # (a server with tenants) whose KV share it counts against
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens scheduled so far (counted when scheduled, before the step runs)

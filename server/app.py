@@ -6,11 +6,12 @@ import logging
 
 from aiohttp import web
 
-from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
+from jaxpaged.tenants import Tenant
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.protocol import APIError, get_field, now
-from server.state import STATE, ServerState
+from server.state import SSE, STATE, TENANT, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,16 @@ async def errors_and_auth(request: web.Request, handler):
     """API key check, and every failure as OpenAI's JSON error body."""
     state: ServerState = request.app[STATE]
     try:
-        if state.api_key and request.path.startswith("/v1"):
-            if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
-                raise APIError("Invalid API key.", status=401, err_type="AuthenticationError")
+        if (state.api_key or state.limits) and request.path.startswith("/v1"):
+            key = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            tenant = state.limits.by_key.get(key) if state.limits else None
+            if tenant is None and key != state.api_key:
+                raise APIError("Invalid API key.", status=401, err_type="AuthenticationError",
+                               code="invalid_api_key")
+            request[TENANT] = tenant
         return await handler(request)
     except APIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return await _error_response(request, e)
     except web.HTTPException as e:
         if e.status == 404:
             e = APIError(f"Not found: {request.path}", status=404, err_type="NotFoundError")
@@ -40,10 +45,20 @@ async def errors_and_auth(request: web.Request, handler):
         return web.json_response(e.body(), status=e.status)
     except ConnectionResetError:
         raise
+    except EngineStopped as e:
+        return await _error_response(request, APIError(str(e), status=503, err_type="ServiceUnavailableError"))
     except Exception as e:
         logger.exception("request failed")
-        err = APIError(f"internal error: {type(e).__name__}: {e}", status=500, err_type="InternalServerError")
-        return web.json_response(err.body(), status=500)
+        return await _error_response(request, APIError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                                       err_type="InternalServerError"))
+
+
+async def _error_response(request: web.Request, err: APIError) -> web.StreamResponse:
+    """The error as a JSON body, or, when an event stream has started, as its last event."""
+    sse = request.get(SSE)
+    if sse is not None:
+        return await sse.fail(err.body())
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -116,11 +131,12 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})
 
 
-def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None
-               ) -> web.Application:
-    """The aiohttp application serving `engine` with OpenAI's API."""
+def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
+               tenants: list[Tenant] | None = None) -> web.Application:
+    """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
+    tenant's limits (jaxpaged/tenants.py); `api_key` is then also accepted, without limits."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(engine, model_name, api_key)
+    app[STATE] = ServerState(engine, model_name, api_key, tenants)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)

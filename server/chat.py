@@ -13,7 +13,7 @@ from server.protocol import (
     now,
     sampling_params_from,
 )
-from server.state import STATE
+from server.state import STATE, TENANT
 from server.streaming import SSEWriter, generate_all
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
@@ -69,7 +69,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
 
     async with generate_all(state.engine, [prompt], params, rid,
-                            priority=get_field(body, "priority", (int,), 0)) as outputs:
+                            priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
+                            limits=state.limits) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

@@ -16,7 +16,7 @@ from server.protocol import (
     prompt_logprobs_json,
     sampling_params_from,
 )
-from server.state import STATE
+from server.state import STATE, TENANT
 from server.streaming import SSEWriter, generate_all
 
 
@@ -110,7 +110,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                                          first_text=tok.decode(p.token_ids[:1]))
 
     async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid,
-                            priority=get_field(body, "priority", (int,), 0)) as outputs:
+                            priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
+                            limits=state.limits) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

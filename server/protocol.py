@@ -15,13 +15,14 @@ class APIError(Exception):
     """An error answered as OpenAI's JSON error body."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 err_type: str = "BadRequestError"):
+                 err_type: str = "BadRequestError", code: str | int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.err_type = message, status, param, err_type
+        self.code = status if code is None else code
+        self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
-                          "code": self.status}}
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
 _MISSING = object()

@@ -1,16 +1,25 @@
-"""`jaxpaged serve`: run the app until SIGINT/SIGTERM, then drain running streams and exit."""
+"""`jaxpaged serve`: run the app until SIGINT/SIGTERM, then drain running streams and exit.
+
+With a snapshot folder, the requests still running when the drain time is up are saved there (their clients get a
+503 saying so), and the next start restores and finishes them; having no client by then, their final outputs are
+appended to `restored_outputs.jsonl` in that folder.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import time
 
 from aiohttp import web
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.tenants import Tenant, load_tenants
 from server.app import create_app
 from server.state import STATE
 
@@ -37,11 +46,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+RESTORED_OUTPUTS = "restored_outputs.jsonl"
+
+
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
-                model_name: str | None = None, shutdown_timeout: float = 30.0) -> None:
+                model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
+                tenants: list[Tenant] | None = None) -> None:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
-    timeout)."""
-    app = create_app(engine, model_name=model_name, api_key=api_key)
+    timeout), then end the rest (saved in `snapshot_dir` when given)."""
+    if snapshot_dir is not None:
+        engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
+    app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants)
+    if tenants:
+        logger.info("Tenants: %s", ", ".join(f"{t.name} (priority {t.priority}, KV share {t.kv_min:.0%}-{t.kv_max:.0%})"
+                                             for t in tenants))
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.SockSite(runner, sock)
@@ -55,20 +73,27 @@ async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = 
     await stop.wait()
     logger.info("Shutting down: no new connections; waiting up to %.0f s for %d running requests",
                 shutdown_timeout, engine.num_unfinished)
-    # Stops listening at once, lets running handlers finish for up to the shutdown timeout, then cancels the
-    # rest (a cancelled handler aborts its requests).
+    await site.stop()  # (stops listening)
+    deadline = time.monotonic() + shutdown_timeout
+    while engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    unfinished = engine.num_unfinished
+    saved = engine.stop_and_save(snapshot_dir)  # the rest end with a 503 (saved, with a snapshot folder)
+    if unfinished or snapshot_dir is not None:
+        logger.info("%d requests still running after %.0f s%s", unfinished, shutdown_timeout,
+                    f"; saved {saved} unfinished requests to {snapshot_dir}" if snapshot_dir is not None else "")
     await runner.cleanup()
-    engine.shutdown()
 
 
 def main(ns) -> None:
     """Check the flags and the port, then load the model and serve."""
     args = EngineArgs.from_cli_args(ns)
     args.validate()
+    tenants = load_tenants(ns.tenants) if ns.tenants else None
     sock = bind_socket(ns.host, ns.port)
     try:
-        engine = AsyncLLM.from_engine_args(args)
+        engine = AsyncLLM(LLMEngine.from_engine_args(args))
         asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
-                          shutdown_timeout=ns.shutdown_timeout))
+                          shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants))
     finally:
         sock.close()

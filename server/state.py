@@ -8,18 +8,22 @@ import os
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.tenants import Tenant, TenantLimits
 from server.protocol import APIError, get_field
 
 
 class ServerState:
     """What the handlers share: the engine, the served model's name and limits, the API key."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None):
+    def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None,
+                 tenants: list[Tenant] | None = None):
         self.engine = engine
         cfg = engine.engine.config
         self.model_name = model_name or os.path.basename(cfg.model_config.model.rstrip("/"))
         self.max_model_len = cfg.scheduler_config.max_model_len
         self.api_key = api_key
+        self.limits = TenantLimits(tenants) if tenants else None
+        engine.engine.set_kv_shares({t.name: (t.kv_min, t.kv_max) for t in tenants} if tenants else None)
 
     async def read_json(self, request: web.Request) -> dict:
         raw = await request.read()
@@ -50,3 +54,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# Per-request storage: the caller's tenant (None without tenants), and a started event stream (server/streaming.py).
+_key = getattr(web, "RequestKey", lambda name, _: name)  # (typed keys since aiohttp 3.13; plain strings before)
+TENANT = _key("tenant", object)
+SSE = _key("sse", object)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from collections.abc import AsyncIterator
 
@@ -13,34 +14,73 @@ from aiohttp import web
 from jaxpaged.engine.async_llm import AsyncLLM, RequestStream
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.tenants import RateLimited, Tenant, TenantLimits
 from server.protocol import APIError
+from server.state import SSE
 
 
 @contextlib.asynccontextmanager
 async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                       priority: int = 0):
+                       priority: int = 0, tenant: Tenant | None = None, limits: TenantLimits | None = None):
     """Queue every prompt (delta outputs), then yield an iterator of (prompt index, output) as they arrive.
 
-    Bad input raises APIError before any prompt is left running. Leaving the block for any reason (done,
-    error, client gone, cancellation) aborts whatever has not finished, at once.
+    Bad input raises APIError before any prompt is left running; so does a tenant's limit (429). Leaving the
+    block for any reason (done, error, client gone, cancellation) aborts whatever has not finished, at once.
     """
     streams: list[RequestStream] = []
     merged = None
+    counted = tenant is not None and limits is not None
+    if counted:
+        priority = max(priority, tenant.priority)  # (a tenant may ask for less than its class, not more)
+        _acquire(engine, limits, tenant, prompts, params)
     try:
         try:
             for i, p in enumerate(prompts):
                 streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True,
-                                                        priority=priority))
+                                                        priority=priority, tenant=tenant and tenant.name))
         except ValueError as e:
             head = str(e).split(":", 1)[0]
             raise APIError(str(e), param=head if re.fullmatch(r"[a-z_]+", head) else None) from None
-        merged = _merged(streams)
+        merged = _merged(streams if not counted else [_counted(s, engine, tenant.name) for s in streams])
         yield merged
     finally:
         if merged is not None:
             await merged.aclose()
         for s in streams:
             s.close()
+        if counted:
+            limits.release(tenant)
+            engine.engine.metrics.tenant_running.labels(tenant=tenant.name).dec()
+
+
+def _acquire(engine: AsyncLLM, limits: TenantLimits, tenant: Tenant, prompts: list[list[int]],
+             params: SamplingParams) -> None:
+    """Count the request against its tenant's limits (prompt + max_tokens per sample), or answer 429."""
+    max_len = engine.engine.config.scheduler_config.max_model_len
+    tokens = sum(len(p) + params.n * (params.max_tokens or max_len - len(p)) for p in prompts)
+    metrics = engine.engine.metrics
+    try:
+        limits.acquire(tenant, tokens)
+    except RateLimited as e:
+        limit = "tokens_per_minute" if "tokens_per_minute" in str(e) else "max_concurrent_requests"
+        metrics.tenant_rejections.labels(tenant=tenant.name, limit=limit).inc()
+        headers = {"Retry-After": str(math.ceil(e.retry_after))} if e.retry_after != math.inf else None
+        raise APIError(f"Rate limit reached: {e}", status=429, err_type="requests", code="rate_limit_exceeded",
+                       headers=headers) from None
+    metrics.tenant_requests.labels(tenant=tenant.name).inc()
+    metrics.tenant_running.labels(tenant=tenant.name).inc()
+    metrics.tenant_prompt_tokens.labels(tenant=tenant.name).inc(sum(len(p) for p in prompts))
+
+
+async def _counted(stream: RequestStream, engine: AsyncLLM, tenant: str) -> AsyncIterator[RequestOutput]:
+    """A stream's outputs, counting its tenant's generated tokens and finished samples."""
+    metrics = engine.engine.metrics
+    async for out in stream:
+        metrics.tenant_generation_tokens.labels(tenant=tenant).inc(sum(len(o.token_ids) for o in out.outputs))
+        for o in out.outputs:
+            if o.finish_reason is not None:
+                metrics.tenant_success.labels(tenant=tenant, finished_reason=o.finish_reason).inc()
+        yield out
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -87,6 +127,12 @@ class SSEWriter:
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
+        self.request[SSE] = self  # (an error after this point is sent as an event: see `fail`)
+
+    async def fail(self, error: dict) -> web.StreamResponse:
+        """End a started stream with an error event (vLLM's: `data: {"error": {...}}`), then `[DONE]`."""
+        await self.send(error)
+        return await self.done()
 
     async def send(self, payload: dict) -> None:
         await self.response.write(f"data: {json.dumps(payload)}\n\n".encode())

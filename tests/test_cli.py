@@ -87,6 +87,15 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(config_only_model):
     assert got.stderr.strip() == f"error: --port: cannot listen on 127.0.0.1:{port}: address already in use"
 
 
+def test_serve_refuses_a_bad_tenants_file_before_loading(config_only_model, tmp_path):
+    (tmp_path / "t.toml").write_text('[tenants.a]\napi_key = "k"\nkv_share = { min = 2 }\n')
+    got = run("serve", "--model", config_only_model, "--tenants", str(tmp_path / "t.toml"))
+    assert got.returncode == 2
+    assert got.stderr.strip() == "error: tenants.a.kv_share.min must be a fraction of the pool in [0, 1], got 2"
+    got = run("serve", "--model", config_only_model, "--tenants", str(tmp_path / "none.toml"))
+    assert got.stderr.strip().startswith("error: --tenants: no such file")
+
+
 def test_every_flag_has_help_default_and_choices():
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -31,7 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager
+from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
+from jaxpaged.core.kv_shares import KVShares
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.buckets import pick_token_bucket
 
@@ -163,6 +164,11 @@ class Scheduler:
         self.num_swaps = 0
         self._finished_ids: list[str] = []
         self._buckets = config.token_buckets()  # the runner's padded step sizes
+        self.shares: KVShares | None = None  # tenants' KV shares (core/kv_shares.py), when the server has tenants
+
+    def set_kv_shares(self, shares: dict[str, tuple[float, float]] | None) -> None:
+        """Enforce tenants' (min, max) fractions of the KV pool from now on (None: no tenants)."""
+        self.shares = KVShares(shares, self.kv.pool.num_blocks, self.kv.block_size) if shares else None
 
     def predicted_work(self, req: Request) -> int:
         """Tokens a request still has to compute: its prompt left (all of it, and its output so far, after a
@@ -243,6 +249,14 @@ class Scheduler:
         max_len, lookahead = self.config.max_model_len, self.config.num_lookahead_tokens
         add_req, add_n, add_start, add_samples = (out.requests.append, out.num_new_tokens.append, out.starts.append,
                                                   out.samples.append)
+        shares = self.shares
+        if shares is not None:
+            self._make_room_for_guarantees(out)
+            # Tenants within their minimum first: if one needs a block the pool lacks, the victims (taken from the
+            # requests not yet scheduled this step) are then still there to pick from.
+            used = shares.usage(running, req_blocks)
+            running.sort(key=lambda r: shares.excess(r.tenant, used) > 0)  # (stable: the policy's order within)
+        num_made_room = len(out.preempted_ids)
         prefill_left = self._prefill_budget(budget)  # prompt tokens this step may carry
         i = 0
         while i < len(running) and budget > 0:  # (the hot loop: one pass over every running request)
@@ -280,6 +294,13 @@ class Scheduler:
             if (req.needs_full_table or not blocks or first != (computed + reach - 1) // bs or first >= len(blocks)
                     or blocks[first].ref_cnt != 1
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
+                if shares is not None and req.tenant is not None:
+                    grow = cdiv(computed + reach, bs) - len(blocks or ())
+                    if grow > 0 and shares.over_max(req.tenant, shares.usage(running, req_blocks), grow):
+                        victim = [r for r in running[i:] if r.tenant == req.tenant][-1]  # its tenant's newest
+                        self._preempt(victim, out)
+                        out.preempted_ids.append(victim.request_id)
+                        continue
                 copies = len(kv.pending_copies)
                 new = kv.allocate_slots(req, reach)
                 if new is None and reach > n:  # no room for the lookahead: the draft model's writes then drop
@@ -313,7 +334,8 @@ class Scheduler:
                 prefill_left -= n
             i += 1
 
-        if not out.preempted_ids:  # no admissions in a step that had to preempt
+        if len(out.preempted_ids) == num_made_room:  # no admissions in a step that had to preempt (except to make
+            # room for tenants owed their minimum share)
             self._admit(out, min(budget, prefill_left))
             in_flight = any(r.num_output_placeholders for r in self.running) if not out.requests else True
             for _ in range(0 if in_flight else len(self.running)):  # (bounded: each preempts another request)
@@ -333,6 +355,43 @@ class Scheduler:
         if self.kv.offload is not None:
             out.kv_store, out.kv_load = self.kv.offload.take()
         return out
+
+    def _share_allows(self, req: Request, num_tokens: int, num_hits: int) -> bool:
+        """Whether admitting `req` with `num_tokens` in blocks (`num_hits` of them cached) keeps its tenant within
+        its maximum and leaves the free blocks other waiting tenants are owed up to their minimum."""
+        shares, kv = self.shares, self.kv
+        used = shares.usage(self.running, kv.req_to_blocks)
+        total = cdiv(num_tokens, kv.block_size)
+        if shares.over_max(req.tenant, used, total):
+            return False
+        if used[req.tenant] + total <= shares.min[req.tenant]:
+            return True  # within its own guarantee
+        owed = shares.owed((r.tenant for r in self.waiting), used, but=req.tenant)
+        return kv.num_free_blocks - (total - num_hits) >= owed
+
+    def _make_room_for_guarantees(self, out: SchedulerOutput) -> None:
+        """While tenants below their minimum share wait for blocks the pool does not have free, preempt requests of
+        tenants above their own minimum (the furthest over first; its newest, or its last in the policy's order)."""
+        shares, kv = self.shares, self.kv
+        used = shares.usage(self.running, kv.req_to_blocks)
+        need, owed = 0, set()
+        for r in self.waiting:
+            t = r.tenant
+            if t is not None and t not in owed and used[t] < shares.min[t]:
+                owed.add(t)
+                need += min(shares.min[t] - used[t], cdiv(r.num_tokens, kv.block_size))
+        while need and kv.num_free_blocks < need:
+            excess = {r.tenant: shares.excess(r.tenant, used) for r in self.running}
+            over = [r for r in self.running if excess[r.tenant] > 0 and r.tenant not in owed]
+            if not over:
+                return
+            most = max(excess[r.tenant] for r in over)
+            over = [r for r in over if excess[r.tenant] == most]
+            victim = over[-1] if self.config.policy == "fcfs" else max(over, key=self.rank)
+            if victim.tenant is not None:
+                used[victim.tenant] -= len(kv.req_to_blocks.get(victim.request_id, ()))
+            self._preempt(victim, out)
+            out.preempted_ids.append(victim.request_id)
 
     def _num_to_compute(self, req: Request) -> int:
         """Tokens (placeholders included) not yet scheduled; 0 when a token in flight may already be its last."""
@@ -403,6 +462,10 @@ class Scheduler:
                     n = budget
                 # (with a draft model, a prompt computed in full also reserves its lookahead slots)
                 reach = self._with_lookahead(n, num_cached) if num_cached + n == req.num_tokens else n
+                if (self.shares is not None and req.tenant is not None
+                        and not self._share_allows(req, num_cached + reach, len(hits))):
+                    skipped.append(self.waiting.pop())  # (others' requests may still fit)
+                    continue
                 if (self.kv.allocate_slots(req, reach, hits, offloaded) is None
                         and (reach == n or self.kv.allocate_slots(req, n, hits, offloaded) is None)):
                     break
@@ -444,6 +507,12 @@ class Scheduler:
         """The running request to preempt, among those not yet scheduled: the newest (fcfs), else the last in
         the policy's order (lowest priority; most predicted work left, aged)."""
         candidates = self.running[start:]
+        if self.shares is not None:  # the tenant furthest over its minimum share first
+            used = self.shares.usage(self.running, self.kv.req_to_blocks)
+            excess = {r.tenant: self.shares.excess(r.tenant, used) for r in candidates}
+            most = max(excess.values())
+            if most > 0:
+                candidates = [r for r in candidates if excess[r.tenant] == most]
         if self.config.policy == "fcfs":
             return candidates[-1]
         return max(candidates, key=self.rank)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -28,6 +30,15 @@ from jaxpaged.request import RequestOutput, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped (server shutdown) before a request finished; `saved`: it is in a snapshot."""
+
+    def __init__(self, saved: bool):
+        super().__init__("the server shut down before this request finished" +
+                         ("; it was saved in a snapshot and will finish after the restart" if saved else ""))
+        self.saved = saved
 
 
 class RequestStream:
@@ -96,6 +107,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopped = False
         self.errored: BaseException | None = None
+        self._restored: dict[str, str] = {}  # restored request id -> the JSON-lines file its final output goes to
         self._engine_thread = threading.Thread(target=self._engine_loop, name="jaxpaged-engine", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="jaxpaged-output", daemon=True)
         self._engine_thread.start()
@@ -122,14 +134,16 @@ class AsyncLLM:
         *,
         delta: bool = False,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> RequestStream:
-        """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError."""
+        """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError. tenant: whose
+        KV share it counts against (`LLMEngine.set_kv_shares`)."""
         if self.errored is not None:
             raise RuntimeError(f"the engine loop died: {self.errored!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority)
+        text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority, tenant=tenant)
         stream = RequestStream(self, request_id, delta)
         kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
         with self._lock:
@@ -170,11 +184,44 @@ class AsyncLLM:
             self._send("abort", core_ids)
 
     def shutdown(self) -> None:
+        """Stop the engine and output threads (the outputs of steps already taken are handed out first)."""
         self._stopped = True
         self._wake.set()
         self._engine_thread.join(timeout=10)
         self._outbox.put(None)
         self._output_thread.join(timeout=10)
+
+    # -- snapshots (engine/snapshot.py) ---------------------------------------------------------
+    def restore(self, path: str, outputs_file: str) -> list[str]:
+        """Continue the requests of the newest intact snapshot in `path` (none: nothing to do). They have no
+        client: each one's final output is appended to `outputs_file` as a JSON line when it finishes."""
+        from jaxpaged.engine.snapshot import load_snapshot
+
+        with self._lock:
+            ids = load_snapshot(self.engine, path, missing_ok=True, kind=RequestOutputKind.FINAL_ONLY,
+                                queue=lambda reqs: self._send("restore", reqs))
+            self._restored.update(dict.fromkeys(ids, outputs_file))
+        if ids:
+            logger.info("Restored %d unfinished requests from %s; their outputs go to %s", len(ids), path,
+                        outputs_file)
+        return ids
+
+    def stop_and_save(self, path: str | None) -> int:
+        """Stop the engine; save every unfinished request as a snapshot in `path` (None: none); end their streams
+        with EngineStopped. Returns how many were saved."""
+        self.shutdown()
+        saved = self.engine.save_state(path) if path is not None else 0
+        self._fail(EngineStopped(saved=path is not None))
+        return saved
+
+    def _write_restored(self, out: RequestOutput) -> None:
+        """A restored request's final output, as one JSON line of its outputs file."""
+        record = {"id": out.request_id, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                  "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                               "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs],
+                  "finished_at": time.time()}
+        with open(self._restored.pop(out.request_id), "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _send(self, kind: str, payload) -> None:
         self._inbox.put((kind, payload))
@@ -190,6 +237,8 @@ class AsyncLLM:
                 return
             if kind == "add":
                 self.engine.add_core_requests(payload)
+            elif kind == "restore":  # (a snapshot's: their forks as they were)
+                scheduler.add_requests(payload)
             elif kind == "abort":
                 for cid in payload:  # a sibling that never forked is in no queue: it just ends
                     if (req := scheduler.requests.get(cid)) is not None:
@@ -231,6 +280,8 @@ class AsyncLLM:
                     for r in results:
                         if r.finished:
                             self._streams.pop(r.request_id, None)
+                            if r.request_id in self._restored:
+                                self._write_restored(r)
             except BaseException as e:
                 logger.exception("output processing failed")
                 self._fail(e)

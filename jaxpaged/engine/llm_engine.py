@@ -228,10 +228,11 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                      priority: int = 0) -> tuple[str | None, list[int], list[Request]]:
-        """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError)."""
+                      priority: int = 0, tenant: str | None = None) -> tuple[str | None, list[int], list[Request]]:
+        """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError). tenant: the
+        server's tenant whose KV share the requests count against (`set_kv_shares`)."""
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self.validate_prompt(ids, params)
+        self.validate_prompt(ids, params, tenant)
         if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
@@ -241,7 +242,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority,
+            requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority, tenant=tenant,
                                     eos_token_ids=self.config.model_config.eos_token_ids, processor_rows=rows,
                                     grammar_matcher=self.structured.matcher(grammar) if grammar else None))
         return text, ids, requests
@@ -322,7 +323,12 @@ class LLMEngine:
             min_mask[stop_ids] = True
         return bias, min_mask
 
-    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def set_kv_shares(self, shares: dict[str, tuple[float, float]] | None) -> None:
+        """Tenants' (min, max) fractions of the KV pool, enforced by every replica's scheduler (core/kv_shares.py)."""
+        for core in self.core.replicas:
+            core.scheduler.set_kv_shares(shares)
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams, tenant: str | None = None) -> None:
         sc, cc = self.config.scheduler_config, self.config.cache_config
         vocab = self.config.model_config.vocab_size
         if not ids:
@@ -334,6 +340,9 @@ class LLMEngine:
         if cdiv(longest, cc.block_size) > cc.num_blocks - 1:
             raise ValueError(f"prompt: {longest} tokens (prompt + max_tokens) need more KV blocks than the pool has "
                              f"({cc.num_blocks - 1} x {cc.block_size} tokens)")
+        shares = self.core.replicas[0].scheduler.shares
+        if shares is not None:
+            shares.check_fits(tenant, longest)
 
     # -- snapshots (engine/snapshot.py) ---------------------------------------------------------
     def save_state(self, path: str) -> int:
@@ -393,6 +402,13 @@ class LLMEngine:
                        prefix_hits_total=sum(kv.num_hit_tokens for kv in kvs))
         if replicas[0].offload is not None:
             m.observe_offload(replicas[0].offload.stats())
+        if (shares := replicas[0].scheduler.shares) is not None:
+            used = dict.fromkeys(shares.min, 0)
+            for c in replicas:
+                for t, n in shares.usage(c.scheduler.running, c.kv_cache_manager.req_to_blocks).items():
+                    used[t] += n
+            for t, n in used.items():
+                m.tenant_kv_blocks.labels(tenant=t).set(n)
         if step.spec_num_drafts:
             self.stats.spec_num_drafts += step.spec_num_drafts
             self.stats.spec_num_draft_tokens += step.spec_num_draft_tokens

@@ -112,8 +112,8 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
             })
         out.append({"request_id": parent.request_id, "prompt": parent.prompt,
                     "prompt_token_ids": list(parent.prompt_token_ids), "kind": parent.kind.name,
-                    "priority": first.priority, "params": _params_to_json(first.sampling_params),
-                    "samples": samples})
+                    "priority": first.priority, "tenant": first.tenant,
+                    "params": _params_to_json(first.sampling_params), "samples": samples})
     return out
 
 
@@ -121,9 +121,13 @@ _FINISHED = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FIN
              "abort": RequestStatus.FINISHED_ABORTED}
 
 
-def restore_requests(engine: LLMEngine, saved: list[dict]) -> list[str]:
+def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutputKind | None = None,
+                     queue=None) -> list[str]:
     """Queue the saved requests in `engine` (the inverse of `capture_requests`); returns their ids. Every request is
-    checked first (ids free, prompts valid here), so a refusal queues none."""
+    checked first (ids free, prompts valid here), so a refusal queues none.
+
+    kind: how they hand out outputs from now on (default: as saved). queue: takes each request's core requests
+    to run (default: the scheduler's add_requests; `AsyncLLM` passes them to its engine thread)."""
     plans = []
     for d in saved:
         rid = d["request_id"]
@@ -132,13 +136,10 @@ def restore_requests(engine: LLMEngine, saved: list[dict]) -> list[str]:
         params = SamplingParams(**d["params"])
         engine.validate_prompt(d["prompt_token_ids"], params)
         plans.append((d, params))
-    ids = []
-    for d, params in plans:
-        ids.append(_restore_one(engine, d, params))
-    return ids
+    return [_restore_one(engine, d, params, kind, queue or engine.scheduler.add_requests) for d, params in plans]
 
 
-def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams) -> str:
+def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, kind: RequestOutputKind | None, queue) -> str:
     prompt_ids = list(d["prompt_token_ids"])
     rows = engine._processor_rows(params)
     structured = engine.structured
@@ -148,8 +149,9 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams) -> str:
     for s in d["samples"]:
         outputs = list(s["output_token_ids"])
         req = Request(s["request_id"], prompt_ids, params, seed=s["seed"], prompt=d["prompt"],
-                      priority=d["priority"], eos_token_ids=engine.config.model_config.eos_token_ids,
-                      processor_rows=rows, output_token_ids=outputs, arrival_time=now,
+                      priority=d["priority"], tenant=d.get("tenant"),
+                      eos_token_ids=engine.config.model_config.eos_token_ids, processor_rows=rows,
+                      output_token_ids=outputs, arrival_time=now,
                       output_logprobs=[tuple(x) for x in s["output_logprobs"]],
                       prompt_logprob_rows=[tuple(x) for x in s["prompt_logprob_rows"]],
                       num_preemptions=s["num_preemptions"])
@@ -164,15 +166,14 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams) -> str:
         elif s["pending_fork"]:
             pending.append(req)
         requests.append(req)
-    kind = RequestOutputKind[d["kind"]]
-    engine.output.add(d["request_id"], d["prompt"], prompt_ids, requests, kind)
+    engine.output.add(d["request_id"], d["prompt"], prompt_ids, requests, kind or RequestOutputKind[d["kind"]])
     engine.output.restore_samples(d["request_id"], d["samples"])
     live = [r for r in requests if not r.finished and r not in pending]
     if pending and live and engine.config.share_forked_blocks and not params.needs_penalties:
         live[0].pending_forks = pending  # (the first sample is never a pending fork: it is the one they fork from)
     else:
         live += pending
-    engine.scheduler.add_requests(live)
+    queue(live)
     return d["request_id"]
 
 
@@ -235,14 +236,14 @@ def read_snapshot(engine: LLMEngine, path: str) -> list[dict] | None:
     return None
 
 
-def load_snapshot(engine: LLMEngine, path: str, *, missing_ok: bool = False) -> list[str]:
+def load_snapshot(engine: LLMEngine, path: str, *, missing_ok: bool = False, **restore) -> list[str]:
     """Queue the requests of the newest intact snapshot in `path`; returns their ids. With none there,
-    FileNotFoundError, or [] when missing_ok."""
+    FileNotFoundError, or [] when missing_ok. `restore`: restore_requests' kind and queue."""
     requests = read_snapshot(engine, path)
     if requests is None:
         if missing_ok:
             return []
         raise FileNotFoundError(f"load_state: {path!r} holds no intact snapshot")
-    ids = restore_requests(engine, requests)
+    ids = restore_requests(engine, requests, **restore)
     logger.info("Restored %d unfinished requests from %s", len(ids), path)
     return ids

@@ -19,8 +19,9 @@ ENGINE_ARGS = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=
 
 
 class LiveServer:
-    def __init__(self, engine: AsyncLLM, api_key: str | None):
+    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None):
         self.engine = engine
+        self.tenants = tenants
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -33,7 +34,7 @@ class LiveServer:
 
     def _run(self, api_key):
         asyncio.set_event_loop(self.loop)
-        app = create_app(self.engine, model_name="tiny", api_key=api_key)
+        app = create_app(self.engine, model_name="tiny", api_key=api_key, tenants=self.tenants)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
@@ -48,11 +49,11 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, **engine_args):
-    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY), stopped on
-    exit."""
+def serving(model_dir: str, tenants=None, **engine_args):
+    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY; `tenants`),
+    stopped on exit."""
     args = EngineArgs(model=model_dir, **{**ENGINE_ARGS, **engine_args})
-    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY)
+    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants)
     try:
         yield server
     finally:

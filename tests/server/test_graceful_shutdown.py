@@ -1,5 +1,6 @@
 """`jaxpaged serve` as a process: on SIGTERM it refuses new connections at once, lets running streams finish
-within --shutdown-timeout, cuts the ones still running at the timeout, and exits 0."""
+within --shutdown-timeout, ends the ones still running at the timeout with an error event, and exits 0; with
+--snapshot-dir, those are saved and the next start finishes them."""
 
 import json
 import os
@@ -80,5 +81,95 @@ def test_sigterm_refuses_new_connections_drains_short_streams_and_cuts_long_ones
         if proc.poll() is None:
             proc.kill()
     assert short["body"].rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in short["body"]
-    assert "data: [DONE]" not in long_["body"], "the long stream was not cut"
+    events = [json.loads(x[6:]) for x in long_["body"].split("\n\n") if x.startswith("data: {")]
+    assert "shut down before this request finished" in events[-1]["error"]["message"], long_["body"][-500:]
+    assert events[-1]["error"]["code"] == 503 and long_["body"].rstrip().endswith("data: [DONE]")
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1]), "the long stream was not cut"
     assert 2.5 < exited < 15, f"exited {exited:.1f} s after SIGTERM with a 3 s shutdown timeout"
+
+
+def post(base: str, body: dict, out: dict) -> None:
+    """A plain (not streamed) completion: out['status'] and out['body']."""
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out["status"], out["body"] = r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        out["status"], out["body"] = e.code, json.loads(e.read())
+
+
+def wait_healthy(base: str) -> None:
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the server did not start")
+
+
+def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_finishes_them(tiny_model_dir,
+                                                                                              tmp_path):
+    """Requests running at the timeout are saved; their clients get a 503 saying so; a server started on the same
+    folder finishes them, writing the outputs an uninterrupted engine gives (greedy and seeded)."""
+    from jaxpaged import LLM, SamplingParams
+
+    model, snaps = tiny_model_dir("llama-long"), str(tmp_path / "snaps")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    requests = {"greedy": {"prompt": "w5 w6", "max_tokens": 6000, "ignore_eos": True, "temperature": 0},
+                "seeded": {"prompt": "w7 w8 w9", "max_tokens": 5000, "ignore_eos": True, "temperature": 1.0,
+                           "seed": 11, "n": 2}}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
+                             "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
+                             "--shutdown-timeout", "1", "--snapshot-dir", snaps],
+                            env={**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(base)
+        results = {k: {} for k in requests}
+        threads = [threading.Thread(target=post, args=(base, body, results[k])) for k, body in requests.items()]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read().decode()
+    assert "saved 2 unfinished requests" in log, log[-3000:]
+    for r in results.values():
+        assert r["status"] == 503 and "saved in a snapshot" in r["body"]["error"]["message"], r
+
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
+                             "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
+                             "--snapshot-dir", snaps], env={**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outputs_file = os.path.join(snaps, "restored_outputs.jsonl")
+    try:
+        wait_healthy(base)
+        for _ in range(600):
+            if os.path.exists(outputs_file) and len(open(outputs_file).read().splitlines()) == 2:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    restored = {len(r["outputs"]): r for r in map(json.loads, open(outputs_file))}  # (n: 1 and 2)
+    llm = LLM(model, num_kv_blocks=1100, max_model_len=8192, max_num_batched_tokens=64)
+    for body in requests.values():
+        keys = ("max_tokens", "ignore_eos", "temperature", "seed", "n")
+        want = llm.generate([body["prompt"]], SamplingParams(**{k: body[k] for k in keys if k in body}),
+                            use_tqdm=False)[0]
+        got = restored[len(want.outputs)]
+        assert got["prompt_token_ids"] == want.prompt_token_ids
+        assert [o["token_ids"] for o in got["outputs"]] == [o.token_ids for o in want.outputs]
+        assert [o["finish_reason"] for o in got["outputs"]] == ["length"] * len(want.outputs)
