@@ -73,7 +73,8 @@ async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = 
     await stop.wait()
     logger.info("Shutting down: no new connections; waiting up to %.0f s for %d running requests",
                 shutdown_timeout, engine.num_unfinished)
-    await site.stop()  # (stops listening)
+    await site.stop()  # stops listening;
+    runner.server.pre_shutdown()  # and keep-alive connections take no new request (running ones finish)
     deadline = time.monotonic() + shutdown_timeout
     while engine.num_unfinished and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
