@@ -53,12 +53,7 @@ def test_sigterm_refuses_new_connections_drains_short_streams_and_cuts_long_ones
     proc = start_server(tiny_model_dir("llama-long"), port, timeout=3.0)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_healthy(base)
         short, long_ = {}, {}
         events = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=stream, args=(base, 40, short, events[0])),
