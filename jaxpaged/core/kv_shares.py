@@ -7,7 +7,8 @@ The scheduler enforces the shares:
 - a tenant below its minimum that has requests waiting gets blocks first: no other tenant is admitted into the
   room it is owed, and when the pool is full, requests of tenants above their own minimum are preempted for it
   (the tenant furthest over first; the same rule picks the victim whenever the pool runs out).
-Requests without a tenant (offline use) have neither a minimum nor a maximum.
+Requests without a tenant (offline use), or of a tenant the shares do not name (a snapshot restored under
+other tenants), have neither a minimum nor a maximum.
 """
 
 from __future__ import annotations
@@ -41,17 +42,20 @@ class KVShares:
         """Blocks held per tenant by the running requests."""
         used: dict[str | None, int] = dict.fromkeys(self.min, 0)
         for r in running:
-            if r.tenant is not None:
+            if r.tenant in used:
                 used[r.tenant] += len(req_to_blocks.get(r.request_id, ()))
         return used
 
+    def applies(self, tenant: str | None) -> bool:
+        return tenant in self.min
+
     def excess(self, tenant: str | None, used: dict) -> int:
-        """Blocks a tenant holds above its minimum (requests without a tenant: all they hold, i.e. > 0)."""
-        return used[tenant] - self.min[tenant] if tenant is not None else 1
+        """Blocks a tenant holds above its minimum (requests without a share: any they hold, i.e. > 0)."""
+        return used[tenant] - self.min[tenant] if tenant in self.min else 1
 
     def owed(self, tenants: Iterable[str | None], used: dict, but: str | None = None) -> int:
         """Blocks the given tenants (except `but`) are still owed up to their minimum."""
-        return sum(max(0, self.min[t] - used[t]) for t in set(tenants) if t is not None and t != but)
+        return sum(max(0, self.min[t] - used[t]) for t in set(tenants) if t in self.min and t != but)
 
     def over_max(self, tenant: str | None, used: dict, new_blocks: int) -> bool:
-        return tenant is not None and used[tenant] + new_blocks > self.max[tenant]
+        return tenant in self.max and used[tenant] + new_blocks > self.max[tenant]

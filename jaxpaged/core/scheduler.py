@@ -294,7 +294,7 @@ class Scheduler:
             if (req.needs_full_table or not blocks or first != (computed + reach - 1) // bs or first >= len(blocks)
                     or blocks[first].ref_cnt != 1
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
-                if shares is not None and req.tenant is not None:
+                if shares is not None and shares.applies(req.tenant):
                     grow = cdiv(computed + reach, bs) - len(blocks or ())
                     if grow > 0 and shares.over_max(req.tenant, shares.usage(running, req_blocks), grow):
                         victim = [r for r in running[i:] if r.tenant == req.tenant][-1]  # its tenant's newest
@@ -377,7 +377,7 @@ class Scheduler:
         need, owed = 0, set()
         for r in self.waiting:
             t = r.tenant
-            if t is not None and t not in owed and used[t] < shares.min[t]:
+            if shares.applies(t) and t not in owed and used[t] < shares.min[t]:
                 owed.add(t)
                 need += min(shares.min[t] - used[t], cdiv(r.num_tokens, kv.block_size))
         while need and kv.num_free_blocks < need:
@@ -388,7 +388,7 @@ class Scheduler:
             most = max(excess[r.tenant] for r in over)
             over = [r for r in over if excess[r.tenant] == most]
             victim = over[-1] if self.config.policy == "fcfs" else max(over, key=self.rank)
-            if victim.tenant is not None:
+            if shares.applies(victim.tenant):
                 used[victim.tenant] -= len(kv.req_to_blocks.get(victim.request_id, ()))
             self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
@@ -462,7 +462,7 @@ class Scheduler:
                     n = budget
                 # (with a draft model, a prompt computed in full also reserves its lookahead slots)
                 reach = self._with_lookahead(n, num_cached) if num_cached + n == req.num_tokens else n
-                if (self.shares is not None and req.tenant is not None
+                if (self.shares is not None and self.shares.applies(req.tenant)
                         and not self._share_allows(req, num_cached + reach, len(hits))):
                     skipped.append(self.waiting.pop())  # (others' requests may still fit)
                     continue
