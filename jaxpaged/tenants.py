@@ -122,6 +122,10 @@ class TokenBucket:
             return math.inf
         return (tokens - self.level) * 60 / self.per_minute
 
+    def give(self, tokens: int) -> None:
+        """Put back tokens taken for a request that was then refused."""
+        self.level = min(self.per_minute, self.level + tokens)
+
 
 class RateLimited(Exception):
     """A tenant's limit refuses a request: `retry_after` seconds (inf: never, as asked)."""
@@ -157,6 +161,12 @@ class TenantLimits:
                 raise RateLimited(f"tenant {tenant.name!r} is over its tokens_per_minute "
                                   f"({tenant.tokens_per_minute}); this request needs {tokens} tokens", wait)
             self._running[tenant.name] += 1
+
+    def refund(self, tenant: Tenant, tokens: int) -> None:
+        """Give back the tokens of a request refused after `acquire` (it still holds its slot until `release`)."""
+        with self._lock:
+            if (bucket := self._buckets.get(tenant.name)) is not None:
+                bucket.give(tokens)
 
     def release(self, tenant: Tenant) -> None:
         with self._lock:

@@ -54,9 +54,9 @@ async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = 
                 tenants: list[Tenant] | None = None) -> None:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
     timeout), then end the rest (saved in `snapshot_dir` when given)."""
+    app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants)  # (sets the KV shares)
     if snapshot_dir is not None:
         engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
-    app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants)
     if tenants:
         logger.info("Tenants: %s", ", ".join(f"{t.name} (priority {t.priority}, KV share {t.kv_min:.0%}-{t.kv_max:.0%})"
                                              for t in tenants))

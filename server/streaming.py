@@ -32,30 +32,33 @@ async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: Sampl
     counted = tenant is not None and limits is not None
     if counted:
         priority = max(priority, tenant.priority)  # (a tenant may ask for less than its class, not more)
-        _acquire(engine, limits, tenant, prompts, params)
+        tokens = _acquire(engine, limits, tenant, prompts, params)
     try:
         try:
             for i, p in enumerate(prompts):
                 streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True,
                                                         priority=priority, tenant=tenant and tenant.name))
         except ValueError as e:
+            if counted and not streams:
+                limits.refund(tenant, tokens)  # (refused: nothing ran)
             head = str(e).split(":", 1)[0]
             raise APIError(str(e), param=head if re.fullmatch(r"[a-z_]+", head) else None) from None
         merged = _merged(streams if not counted else [_counted(s, engine, tenant.name) for s in streams])
         yield merged
     finally:
-        if merged is not None:
-            await merged.aclose()
-        for s in streams:
-            s.close()
-        if counted:
+        if counted:  # (first: a second cancellation in an await below must not keep the tenant's slot)
             limits.release(tenant)
             engine.engine.metrics.tenant_running.labels(tenant=tenant.name).dec()
+        for s in streams:
+            s.close()
+        if merged is not None:
+            await merged.aclose()
 
 
 def _acquire(engine: AsyncLLM, limits: TenantLimits, tenant: Tenant, prompts: list[list[int]],
-             params: SamplingParams) -> None:
-    """Count the request against its tenant's limits (prompt + max_tokens per sample), or answer 429."""
+             params: SamplingParams) -> int:
+    """Count the request against its tenant's limits (prompt + max_tokens per sample), or answer 429; returns the
+    tokens taken."""
     max_len = engine.engine.config.scheduler_config.max_model_len
     tokens = sum(len(p) + params.n * (params.max_tokens or max_len - len(p)) for p in prompts)
     metrics = engine.engine.metrics
@@ -70,6 +73,7 @@ def _acquire(engine: AsyncLLM, limits: TenantLimits, tenant: Tenant, prompts: li
     metrics.tenant_requests.labels(tenant=tenant.name).inc()
     metrics.tenant_running.labels(tenant=tenant.name).inc()
     metrics.tenant_prompt_tokens.labels(tenant=tenant.name).inc(sum(len(p) for p in prompts))
+    return tokens
 
 
 async def _counted(stream: RequestStream, engine: AsyncLLM, tenant: str) -> AsyncIterator[RequestOutput]:

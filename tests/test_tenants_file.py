@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxpaged.tenants import Tenant, TokenBucket, load_tenants, parse_tenants
+from jaxpaged.tenants import RateLimited, Tenant, TenantLimits, TokenBucket, load_tenants, parse_tenants
 
 TOML = """
 [tenants.alice]
@@ -55,3 +55,22 @@ def test_token_bucket_refills_at_its_rate_and_holds_a_minute():
     assert b.take(500, now=0.0) == 0 and b.take(200, now=0.0) == pytest.approx(10.0)  # 100 left, 100 short
     assert b.take(200, now=10.0) == 0  # refilled
     assert b.take(601, now=1000.0) == math.inf and b.take(600, now=1000.0) == 0  # (capped at a minute's tokens)
+
+
+def test_limits_count_running_requests_and_refund_refused_ones():
+    t = Tenant("a", "k", max_concurrent_requests=2, tokens_per_minute=100)
+    limits = TenantLimits([t])
+    limits.acquire(t, 60)
+    limits.refund(t, 60)  # (e.g. the prompt was then refused: its tokens come back)
+    limits.release(t)
+    limits.acquire(t, 90)
+    with pytest.raises(RateLimited) as e:
+        limits.acquire(t, 20)
+    assert e.value.retry_after == pytest.approx(6.0, abs=0.1)  # 10 left, 10 short at 100/min
+    limits.acquire(t, 5)
+    assert limits.running("a") == 2
+    with pytest.raises(RateLimited, match="max_concurrent_requests"):
+        limits.acquire(t, 1)
+    limits.release(t)
+    limits.release(t)
+    assert limits.running("a") == 0

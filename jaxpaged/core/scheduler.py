@@ -295,7 +295,7 @@ class Scheduler:
                     or blocks[first].ref_cnt != 1
                     or (caching and min(computed + n, known) // bs > num_cached.get(req.request_id, 0))):
                 if shares is not None and shares.applies(req.tenant):
-                    grow = cdiv(computed + reach, bs) - len(blocks or ())
+                    grow = cdiv(computed + n, bs) - len(blocks or ())  # (lookahead slots are dropped if need be)
                     if grow > 0 and shares.over_max(req.tenant, shares.usage(running, req_blocks), grow):
                         victim = [r for r in running[i:] if r.tenant == req.tenant][-1]  # its tenant's newest
                         self._preempt(victim, out)
@@ -356,18 +356,20 @@ class Scheduler:
             out.kv_store, out.kv_load = self.kv.offload.take()
         return out
 
-    def _share_allows(self, req: Request, num_tokens: int, num_hits: int) -> bool:
+    def _share_allows(self, req: Request, num_tokens: int, num_hits: int, skipped: list[Request]) -> bool:
         """Whether admitting `req` with `num_tokens` in blocks (`num_hits` of them cached) keeps its tenant within
-        its maximum and leaves the free blocks other waiting tenants are owed up to their minimum."""
+        its maximum and leaves the free blocks other waiting tenants (`skipped` ones too) are owed up to their
+        minimum. Requests without a share are held to the second rule only."""
         shares, kv = self.shares, self.kv
         used = shares.usage(self.running, kv.req_to_blocks)
         total = cdiv(num_tokens, kv.block_size)
-        if shares.over_max(req.tenant, used, total):
-            return False
-        if used[req.tenant] + total <= shares.min[req.tenant]:
-            return True  # within its own guarantee
-        owed = shares.owed((r.tenant for r in self.waiting), used, but=req.tenant)
-        return kv.num_free_blocks - (total - num_hits) >= owed
+        if shares.applies(req.tenant):
+            if shares.over_max(req.tenant, used, total):
+                return False
+            if used[req.tenant] + total <= shares.min[req.tenant]:
+                return True  # within its own guarantee
+        owed = shares.owed((r.tenant for r in itertools.chain(self.waiting, skipped)), used, but=req.tenant)
+        return not owed or kv.num_free_blocks - (total - num_hits) >= owed
 
     def _make_room_for_guarantees(self, out: SchedulerOutput) -> None:
         """While tenants below their minimum share wait for blocks the pool does not have free, preempt requests of
@@ -446,6 +448,9 @@ class Scheduler:
                 continue
             if self.kv.is_swapped(req):  # resumes where it stopped, its blocks copied back from host memory
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if self.shares is not None and not self._share_allows(req, req.num_computed_tokens + n, 0, skipped):
+                    skipped.append(self.waiting.pop())
+                    continue
                 pairs = self.kv.swap_in(req, n)
                 if pairs is None:
                     break
@@ -462,8 +467,8 @@ class Scheduler:
                     n = budget
                 # (with a draft model, a prompt computed in full also reserves its lookahead slots)
                 reach = self._with_lookahead(n, num_cached) if num_cached + n == req.num_tokens else n
-                if (self.shares is not None and self.shares.applies(req.tenant)
-                        and not self._share_allows(req, num_cached + reach, len(hits))):
+                # (the draft model's lookahead slots are not counted: they are dropped when they do not fit)
+                if self.shares is not None and not self._share_allows(req, num_cached + n, len(hits), skipped):
                     skipped.append(self.waiting.pop())  # (others' requests may still fit)
                     continue
                 if (self.kv.allocate_slots(req, reach, hits, offloaded) is None

@@ -138,6 +138,8 @@ class AsyncLLM:
     ) -> RequestStream:
         """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError. tenant: whose
         KV share it counts against (`LLMEngine.set_kv_shares`)."""
+        if self._stopped:
+            raise EngineStopped(saved=False)
         if self.errored is not None:
             raise RuntimeError(f"the engine loop died: {self.errored!r}")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -197,10 +199,18 @@ class AsyncLLM:
         client: each one's final output is appended to `outputs_file` as a JSON line when it finishes."""
         from jaxpaged.engine.snapshot import load_snapshot
 
-        with self._lock:
-            ids = load_snapshot(self.engine, path, missing_ok=True, kind=RequestOutputKind.FINAL_ONLY,
-                                queue=lambda reqs: self._send("restore", reqs))
-            self._restored.update(dict.fromkeys(ids, outputs_file))
+        def refused(d: dict, error: ValueError) -> None:
+            logger.error("not restoring request %s from %s: %s", d["request_id"], path, error)
+            self._append(outputs_file, {"id": d["request_id"], "prompt": d["prompt"], "error": str(error)})
+
+        try:
+            with self._lock:
+                ids = load_snapshot(self.engine, path, missing_ok=True, kind=RequestOutputKind.FINAL_ONLY,
+                                    queue=lambda reqs: self._send("restore", reqs), on_invalid=refused)
+                self._restored.update(dict.fromkeys(ids, outputs_file))
+        except ValueError as e:  # (another model, dtype or version): serve without them, the snapshot kept
+            logger.error("not restoring the snapshot in %s: %s", path, e)
+            return []
         if ids:
             logger.info("Restored %d unfinished requests from %s; their outputs go to %s", len(ids), path,
                         outputs_file)
@@ -210,9 +220,14 @@ class AsyncLLM:
         """Stop the engine; save every unfinished request as a snapshot in `path` (None: none); end their streams
         with EngineStopped. Returns how many were saved."""
         self.shutdown()
-        saved = self.engine.save_state(path) if path is not None else 0
-        self._fail(EngineStopped(saved=path is not None))
-        return saved
+        saved = None
+        try:
+            saved = self.engine.save_state(path) if path is not None else 0
+        except Exception:
+            logger.exception("saving the unfinished requests to %s failed", path)
+        finally:
+            self._fail(EngineStopped(saved=path is not None and saved is not None))
+        return saved or 0
 
     def _write_restored(self, out: RequestOutput) -> None:
         """A restored request's final output, as one JSON line of its outputs file."""
@@ -220,7 +235,11 @@ class AsyncLLM:
                   "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs],
                   "finished_at": time.time()}
-        with open(self._restored.pop(out.request_id), "a") as f:
+        self._append(self._restored.pop(out.request_id), record)
+
+    @staticmethod
+    def _append(path: str, record: dict) -> None:
+        with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def _send(self, kind: str, payload) -> None:

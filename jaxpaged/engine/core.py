@@ -46,6 +46,7 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    tenant_kv_blocks: dict | None = None  # (tenants' KV shares) blocks each tenant's running requests hold
 
 
 class EngineCore:
@@ -116,6 +117,8 @@ class EngineCore:
         self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
         stats.num_preemptions = len(out.preempted_ids)
+        if (shares := self.scheduler.shares) is not None:  # (here: the engine thread owns the running list)
+            stats.tenant_kv_blocks = shares.usage(self.scheduler.running, self.kv_cache_manager.req_to_blocks)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()
         for req in stats.first_scheduled:

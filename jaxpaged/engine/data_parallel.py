@@ -139,4 +139,6 @@ def merge_stats(a: StepStats, b: StepStats) -> StepStats:
     return dataclasses.replace(
         a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(StepStats)
               if isinstance(getattr(a, f.name), int)},
-        first_scheduled=a.first_scheduled + b.first_scheduled, spec_accepted_per_pos=tuple(per_pos))
+        first_scheduled=a.first_scheduled + b.first_scheduled, spec_accepted_per_pos=tuple(per_pos),
+        tenant_kv_blocks=None if a.tenant_kv_blocks is None else
+        {t: n + (b.tenant_kv_blocks or {}).get(t, 0) for t, n in a.tenant_kv_blocks.items()})

@@ -139,7 +139,7 @@ class LLM:
         """Queue the requests of the newest intact snapshot in `path` (from an engine with the same model and
         dtype); returns their ids. `run_until_finished(ids)` then gives their outputs, the same an uninterrupted
         run gives for greedy and seeded requests."""
-        return self.engine.load_state(path)
+        return self.engine.load_state(path, kind=RequestOutputKind.FINAL_ONLY)  # (a server's were streams)
 
     def run_until_finished(self, request_ids: Sequence[str] | None = None, *, use_tqdm: bool = True
                            ) -> list[RequestOutput]:

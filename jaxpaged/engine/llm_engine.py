@@ -352,13 +352,14 @@ class LLMEngine:
 
         return save_snapshot(self, path)
 
-    def load_state(self, path: str, *, missing_ok: bool = False) -> list[str]:
+    def load_state(self, path: str, *, missing_ok: bool = False, kind: RequestOutputKind | None = None
+                   ) -> list[str]:
         """Queue the requests of the newest intact snapshot in `path`, to continue where they were; returns their
         ids. A snapshot of another model, dtype or version raises SnapshotError (a ValueError); none there,
-        FileNotFoundError unless missing_ok."""
+        FileNotFoundError unless missing_ok. kind: how they hand out outputs now (default: as when saved)."""
         from jaxpaged.engine.snapshot import load_snapshot
 
-        return load_snapshot(self, path, missing_ok=missing_ok)
+        return load_snapshot(self, path, missing_ok=missing_ok, kind=kind)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests (and all their samples) and free their blocks at once."""
@@ -402,12 +403,8 @@ class LLMEngine:
                        prefix_hits_total=sum(kv.num_hit_tokens for kv in kvs))
         if replicas[0].offload is not None:
             m.observe_offload(replicas[0].offload.stats())
-        if (shares := replicas[0].scheduler.shares) is not None:
-            used = dict.fromkeys(shares.min, 0)
-            for c in replicas:
-                for t, n in shares.usage(c.scheduler.running, c.kv_cache_manager.req_to_blocks).items():
-                    used[t] += n
-            for t, n in used.items():
+        for t, n in (step.tenant_kv_blocks or {}).items():
+            if t is not None:
                 m.tenant_kv_blocks.labels(tenant=t).set(n)
         if step.spec_num_drafts:
             self.stats.spec_num_drafts += step.spec_num_drafts

@@ -122,19 +122,26 @@ _FINISHED = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FIN
 
 
 def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutputKind | None = None,
-                     queue=None) -> list[str]:
+                     queue=None, on_invalid=None) -> list[str]:
     """Queue the saved requests in `engine` (the inverse of `capture_requests`); returns their ids. Every request is
-    checked first (ids free, prompts valid here), so a refusal queues none.
+    checked first (ids free; prompt, length and tenant valid here: this engine's pool or tenants may differ), so a
+    refusal queues none; or, with `on_invalid(saved request, error)`, the others are queued.
 
     kind: how they hand out outputs from now on (default: as saved). queue: takes each request's core requests
     to run (default: the scheduler's add_requests; `AsyncLLM` passes them to its engine thread)."""
     plans = []
     for d in saved:
         rid = d["request_id"]
-        if engine.output.has(rid) or any(s["request_id"] in engine.scheduler.requests for s in d["samples"]):
-            raise ValueError(f"load_state: request_id {rid!r} is already in use in this engine")
-        params = SamplingParams(**d["params"])
-        engine.validate_prompt(d["prompt_token_ids"], params)
+        try:
+            if engine.output.has(rid) or any(s["request_id"] in engine.scheduler.requests for s in d["samples"]):
+                raise ValueError(f"load_state: request_id {rid!r} is already in use in this engine")
+            params = SamplingParams(**d["params"])
+            engine.validate_prompt(d["prompt_token_ids"], params, d.get("tenant"))
+        except ValueError as e:
+            if on_invalid is None:
+                raise
+            on_invalid(d, e)
+            continue
         plans.append((d, params))
     return [_restore_one(engine, d, params, kind, queue or engine.scheduler.add_requests) for d, params in plans]
 
@@ -238,7 +245,7 @@ def read_snapshot(engine: LLMEngine, path: str) -> list[dict] | None:
 
 def load_snapshot(engine: LLMEngine, path: str, *, missing_ok: bool = False, **restore) -> list[str]:
     """Queue the requests of the newest intact snapshot in `path`; returns their ids. With none there,
-    FileNotFoundError, or [] when missing_ok. `restore`: restore_requests' kind and queue."""
+    FileNotFoundError, or [] when missing_ok. `restore`: restore_requests' kind, queue and on_invalid."""
     requests = read_snapshot(engine, path)
     if requests is None:
         if missing_ok:

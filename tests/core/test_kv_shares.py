@@ -16,9 +16,10 @@ BLOCK = 4
 SHARES = {"flood": (0.0, 1.0), "steady": (0.25, 0.5)}  # of 64 usable blocks: steady min 16, max 32
 
 
-def make(shares, policy="fcfs") -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=512, policy=policy)
-    s = Scheduler(config, KVCacheManager(65, BLOCK, enable_prefix_caching=False))
+def make(shares, policy="fcfs", swap=False) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=512, policy=policy,
+                             preemption_mode="swap" if swap else "recompute")
+    s = Scheduler(config, KVCacheManager(65, BLOCK, enable_prefix_caching=False, num_host_blocks=256 if swap else 0))
     s.set_kv_shares(shares)
     return s
 
@@ -29,7 +30,7 @@ def req(rid, tenant, prompt, max_tokens, arrival, priority=0):
 
 
 def usage(s: Scheduler) -> dict:
-    used = {"flood": 0, "steady": 0}
+    used = {"flood": 0, "steady": 0, None: 0}
     for r in s.running:
         used[r.tenant] += len(s.kv.req_to_blocks.get(r.request_id, ()))
     return used
@@ -52,14 +53,17 @@ def run(s: Scheduler, arrivals: dict[int, list[Request]], watch=None) -> dict[st
     return done
 
 
-def flood_then_steady():
-    flood = [req(f"f{i}", "flood", 20, 40, arrival=i * 1e-3) for i in range(30)]  # 15 blocks each at the end
+def flood_then_steady(flooder="flood"):
+    flood = [req(f"f{i}", flooder, 20, 40, arrival=i * 1e-3) for i in range(30)]  # 15 blocks each at the end
     steady = [req(f"s{i}", "steady", 8, 16, arrival=1.0 + i) for i in range(2)]  # 6 blocks each
     return {0: flood, 12: steady}
 
 
-def test_a_flooding_tenant_cannot_hold_another_below_its_guaranteed_share():
-    alone = run(make(SHARES), {12: flood_then_steady()[12]})
+@pytest.mark.parametrize("flooder,swap", [("flood", False), ("flood", True), (None, False)])
+def test_a_flooding_tenant_cannot_hold_another_below_its_guaranteed_share(flooder, swap):
+    """flooder None: requests without a tenant (the server's --api-key) flood; swap: victims go to host memory
+    and come back by swap-in, held to the same shares."""
+    alone = run(make(SHARES, swap=swap), {12: flood_then_steady(flooder)[12]})
     preempted_steady, below = [], []
 
     def watch(s, step):
@@ -69,14 +73,16 @@ def test_a_flooding_tenant_cannot_hold_another_below_its_guaranteed_share():
         if step >= 14 and any(r.tenant == "steady" for r in s.waiting):
             below.append(step)
 
-    s = make(SHARES)
-    done = run(s, flood_then_steady(), watch)
+    s = make(SHARES, swap=swap)
+    done = run(s, flood_then_steady(flooder), watch)
     latency = max(done[f"s{i}"] for i in range(2)) - 12
     assert latency <= 2 * (max(alone.values()) - 12), (latency, alone)
     assert not preempted_steady and not below
     assert all(f"f{i}" in done for i in range(30)) and s.kv.num_free_blocks == 64
     # without shares the flood keeps steady waiting: the test above would fail
-    plain = run(make(None), flood_then_steady())
+    if swap:
+        assert s.num_swaps > 0
+    plain = run(make(None, swap=swap), flood_then_steady(flooder))
     assert max(plain[f"s{i}"] for i in range(2)) - 12 > 2 * (max(alone.values()) - 12)
 
 

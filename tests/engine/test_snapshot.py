@@ -4,9 +4,11 @@ penalties, a grammar); foreign, damaged and cut-short snapshots are refused or s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from jaxpaged import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine import snapshot
+from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
 from jaxpaged.engine.output_processor import RequestOutputKind
 
 MODEL = "llama-bytes"
@@ -189,3 +192,51 @@ def test_damaged_and_cut_short_snapshots_are_skipped(path, tmp_path, caplog):
     shutil.rmtree(os.path.join(folder, "1"))
     with pytest.raises(FileNotFoundError, match="no intact snapshot"):
         make_engine(path).load_state(folder)
+
+
+def test_a_servers_streamed_requests_load_into_llm_with_their_whole_output(path, uninterrupted, tmp_path):
+    """A server saves DELTA requests: `LLM.load_state` makes them FINAL_ONLY, so the outputs are whole."""
+    engine = make_engine(path)
+    for rid, ids, params in workload()[:4]:
+        engine.add_request(rid, ids, params, output_kind=RequestOutputKind.DELTA)
+    for _ in range(6):
+        engine.step()
+    engine.save_state(str(tmp_path))
+    llm = LLM.from_engine(make_engine(path))
+    outs = llm.run_until_finished(llm.load_state(str(tmp_path)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [uninterrupted[o.request_id][0][0][0] for o in outs]
+    assert [o.outputs[0].text for o in outs] == [uninterrupted[o.request_id][0][0][1] for o in outs]
+
+
+def test_a_server_restores_what_fits_and_starts_despite_a_foreign_snapshot(path, tiny_model_dir, tmp_path):
+    """`AsyncLLM.restore` (serve --snapshot-dir): a request this engine cannot run (its pool is smaller) is an error
+    line in the outputs file and the others run; a snapshot of another model is logged and skipped, not fatal;
+    after `stop_and_save`, new requests get EngineStopped."""
+    engine = make_engine(path)
+    engine.add_request("long", list(range(3, 200)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    engine.save_state(str(tmp_path / "snap"))
+    outputs = str(tmp_path / "restored.jsonl")
+    server = AsyncLLM(make_engine(path, num_kv_blocks=12))  # 11 x 16 tokens: not enough for "long"
+    try:
+        assert server.restore(str(tmp_path / "snap"), outputs) == ["short"]
+        for _ in range(300):
+            lines = [json.loads(x) for x in open(outputs)] if os.path.exists(outputs) else []
+            if len(lines) == 2:
+                break
+            time.sleep(0.1)
+        by_id = {x["id"]: x for x in lines}
+        assert "need more KV blocks than the pool has" in by_id["long"]["error"]
+        assert len(by_id["short"]["outputs"][0]["token_ids"]) == 5
+    finally:
+        assert server.stop_and_save(None) == 0
+
+    async def late():
+        await server.add_request([5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineStopped):
+        asyncio.run(late())
+    other = AsyncLLM(make_engine(tiny_model_dir("llama")))
+    try:
+        assert other.restore(str(tmp_path / "snap"), outputs) == []  # (another model: logged, serving goes on)
+    finally:
+        other.shutdown()
