@@ -356,19 +356,18 @@ class Scheduler:
             out.kv_store, out.kv_load = self.kv.offload.take()
         return out
 
-    def _share_allows(self, req: Request, num_tokens: int, num_hits: int, skipped: list[Request]) -> bool:
+    def _share_allows(self, req: Request, num_tokens: int, num_hits: int, used: dict, waiting_tenants: set) -> bool:
         """Whether admitting `req` with `num_tokens` in blocks (`num_hits` of them cached) keeps its tenant within
-        its maximum and leaves the free blocks other waiting tenants (`skipped` ones too) are owed up to their
-        minimum. Requests without a share are held to the second rule only."""
+        its maximum (`used`: blocks each tenant holds) and leaves the free blocks the other waiting tenants are owed
+        up to their minimum. Requests without a share are held to the second rule only."""
         shares, kv = self.shares, self.kv
-        used = shares.usage(self.running, kv.req_to_blocks)
         total = cdiv(num_tokens, kv.block_size)
         if shares.applies(req.tenant):
             if shares.over_max(req.tenant, used, total):
                 return False
             if used[req.tenant] + total <= shares.min[req.tenant]:
                 return True  # within its own guarantee
-        owed = shares.owed((r.tenant for r in itertools.chain(self.waiting, skipped)), used, but=req.tenant)
+        owed = shares.owed(waiting_tenants, used, but=req.tenant)
         return not owed or kv.num_free_blocks - (total - num_hits) >= owed
 
     def _make_room_for_guarantees(self, out: SchedulerOutput) -> None:
@@ -439,6 +438,9 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first
+        if self.shares is not None:  # (once per step: tenants' blocks, kept up to date below, and who waits)
+            used = self.shares.usage(self.running, self.kv.req_to_blocks)
+            waiting_tenants = {r.tenant for r in self.waiting}
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             if self.num_reserved_seqs + 1 + len(req.pending_forks) > self.config.max_num_seqs:
@@ -448,7 +450,8 @@ class Scheduler:
                 continue
             if self.kv.is_swapped(req):  # resumes where it stopped, its blocks copied back from host memory
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if self.shares is not None and not self._share_allows(req, req.num_computed_tokens + n, 0, skipped):
+                if self.shares is not None and not self._share_allows(req, req.num_computed_tokens + n, 0, used,
+                                                                      waiting_tenants):
                     skipped.append(self.waiting.pop())
                     continue
                 pairs = self.kv.swap_in(req, n)
@@ -468,7 +471,8 @@ class Scheduler:
                 # (with a draft model, a prompt computed in full also reserves its lookahead slots)
                 reach = self._with_lookahead(n, num_cached) if num_cached + n == req.num_tokens else n
                 # (the draft model's lookahead slots are not counted: they are dropped when they do not fit)
-                if self.shares is not None and not self._share_allows(req, num_cached + n, len(hits), skipped):
+                if self.shares is not None and not self._share_allows(req, num_cached + n, len(hits), used,
+                                                                      waiting_tenants):
                     skipped.append(self.waiting.pop())  # (others' requests may still fit)
                     continue
                 if (self.kv.allocate_slots(req, reach, hits, offloaded) is None
@@ -481,6 +485,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.needs_full_table = True
             self.running.append(req)
+            if self.shares is not None and self.shares.applies(req.tenant):
+                used[req.tenant] += len(self.kv.req_to_blocks.get(req.request_id, ()))
             if n:  # (a swapped-in held request may have nothing to compute yet)
                 self._schedule(out, req, n)
             budget -= n

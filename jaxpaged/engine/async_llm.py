@@ -197,7 +197,7 @@ class AsyncLLM:
     def restore(self, path: str, outputs_file: str) -> list[str]:
         """Continue the requests of the newest intact snapshot in `path` (none: nothing to do). They have no
         client: each one's final output is appended to `outputs_file` as a JSON line when it finishes."""
-        from jaxpaged.engine.snapshot import load_snapshot
+        from jaxpaged.engine.snapshot import SnapshotError, load_snapshot
 
         def refused(d: dict, error: ValueError) -> None:
             logger.error("not restoring request %s from %s: %s", d["request_id"], path, error)
@@ -208,7 +208,7 @@ class AsyncLLM:
                 ids = load_snapshot(self.engine, path, missing_ok=True, kind=RequestOutputKind.FINAL_ONLY,
                                     queue=lambda reqs: self._send("restore", reqs), on_invalid=refused)
                 self._restored.update(dict.fromkeys(ids, outputs_file))
-        except ValueError as e:  # (another model, dtype or version): serve without them, the snapshot kept
+        except SnapshotError as e:  # (another model, dtype or version): serve without them, the snapshot kept
             logger.error("not restoring the snapshot in %s: %s", path, e)
             return []
         if ids:

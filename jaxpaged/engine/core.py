@@ -117,8 +117,6 @@ class EngineCore:
         self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
         stats.num_preemptions = len(out.preempted_ids)
-        if (shares := self.scheduler.shares) is not None:  # (here: the engine thread owns the running list)
-            stats.tenant_kv_blocks = shares.usage(self.scheduler.running, self.kv_cache_manager.req_to_blocks)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()
         for req in stats.first_scheduled:
@@ -129,6 +127,8 @@ class EngineCore:
             done = handle
         if done is not None:
             outputs = self._take_results(done, stats)
+        if (shares := self.scheduler.shares) is not None:  # (here: the engine thread owns the running list)
+            stats.tenant_kv_blocks = shares.usage(self.scheduler.running, self.kv_cache_manager.req_to_blocks)
         self.last_stats = stats
         return outputs
 

@@ -140,5 +140,11 @@ def merge_stats(a: StepStats, b: StepStats) -> StepStats:
         a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(StepStats)
               if isinstance(getattr(a, f.name), int)},
         first_scheduled=a.first_scheduled + b.first_scheduled, spec_accepted_per_pos=tuple(per_pos),
-        tenant_kv_blocks=None if a.tenant_kv_blocks is None else
-        {t: n + (b.tenant_kv_blocks or {}).get(t, 0) for t, n in a.tenant_kv_blocks.items()})
+        tenant_kv_blocks=_sum_counts(a.tenant_kv_blocks, b.tenant_kv_blocks))
+
+
+def _sum_counts(a: dict | None, b: dict | None) -> dict | None:
+    """Two replicas' per-tenant counts summed (None when neither has any)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {t: a.get(t, 0) + b.get(t, 0) for t in a.keys() | b.keys()}

@@ -137,20 +137,21 @@ def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutpu
                 raise ValueError(f"load_state: request_id {rid!r} is already in use in this engine")
             params = SamplingParams(**d["params"])
             engine.validate_prompt(d["prompt_token_ids"], params, d.get("tenant"))
+            rows = engine._processor_rows(params)
+            grammar = engine.structured.grammar(params.structured_outputs) if params.structured_outputs else None
         except ValueError as e:
             if on_invalid is None:
                 raise
             on_invalid(d, e)
             continue
-        plans.append((d, params))
-    return [_restore_one(engine, d, params, kind, queue or engine.scheduler.add_requests) for d, params in plans]
+        plans.append((d, params, rows, grammar))
+    return [_restore_one(engine, *plan, kind, queue or engine.scheduler.add_requests) for plan in plans]
 
 
-def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, kind: RequestOutputKind | None, queue) -> str:
+def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, grammar: str | None,
+                 kind: RequestOutputKind | None, queue) -> str:
     prompt_ids = list(d["prompt_token_ids"])
-    rows = engine._processor_rows(params)
     structured = engine.structured
-    grammar = structured.grammar(params.structured_outputs) if params.structured_outputs else None
     now = time.monotonic()
     requests, pending = [], []
     for s in d["samples"]:
