@@ -128,11 +128,12 @@ class TokenBucket:
 
 
 class RateLimited(Exception):
-    """A tenant's limit refuses a request: `retry_after` seconds (inf: never, as asked)."""
+    """A tenant's limit (`limit`: the field's name) refuses a request: `retry_after` seconds (inf: never, as
+    asked)."""
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, limit: str, retry_after: float):
         super().__init__(message)
-        self.retry_after = retry_after
+        self.limit, self.retry_after = limit, retry_after
 
 
 class TenantLimits:
@@ -151,15 +152,17 @@ class TenantLimits:
             limit = tenant.max_concurrent_requests
             if limit is not None and self._running[tenant.name] >= limit:
                 raise RateLimited(f"tenant {tenant.name!r} has {limit} requests running, its max_concurrent_requests",
-                                  retry_after=1.0)
+                                  "max_concurrent_requests", retry_after=1.0)
             bucket = self._buckets.get(tenant.name)
             wait = bucket.take(tokens) if bucket is not None else 0.0
             if wait == math.inf:
                 raise RateLimited(f"this request needs {tokens} tokens (prompt + max_tokens), more than tenant "
-                                  f"{tenant.name!r}'s tokens_per_minute ({tenant.tokens_per_minute})", math.inf)
+                                  f"{tenant.name!r}'s tokens_per_minute ({tenant.tokens_per_minute})",
+                                  "tokens_per_minute", math.inf)
             if wait:
                 raise RateLimited(f"tenant {tenant.name!r} is over its tokens_per_minute "
-                                  f"({tenant.tokens_per_minute}); this request needs {tokens} tokens", wait)
+                                  f"({tenant.tokens_per_minute}); this request needs {tokens} tokens",
+                                  "tokens_per_minute", wait)
             self._running[tenant.name] += 1
 
     def refund(self, tenant: Tenant, tokens: int) -> None:

@@ -65,8 +65,7 @@ def _acquire(engine: AsyncLLM, limits: TenantLimits, tenant: Tenant, prompts: li
     try:
         limits.acquire(tenant, tokens)
     except RateLimited as e:
-        limit = "tokens_per_minute" if "tokens_per_minute" in str(e) else "max_concurrent_requests"
-        metrics.tenant_rejections.labels(tenant=tenant.name, limit=limit).inc()
+        metrics.tenant_rejections.labels(tenant=tenant.name, limit=e.limit).inc()
         headers = {"Retry-After": str(math.ceil(e.retry_after))} if e.retry_after != math.inf else None
         raise APIError(f"Rate limit reached: {e}", status=429, err_type="requests", code="rate_limit_exceeded",
                        headers=headers) from None

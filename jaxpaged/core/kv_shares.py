@@ -53,6 +53,12 @@ class KVShares:
         """Blocks a tenant holds above its minimum (requests without a share: any they hold, i.e. > 0)."""
         return used[tenant] - self.min[tenant] if tenant in self.min else 1
 
+    def furthest_over(self, candidates: list[Request], used: dict) -> list[Request]:
+        """The candidates of the tenant(s) furthest over their minimum, or [] when none is over it."""
+        excess = {r.tenant: self.excess(r.tenant, used) for r in candidates}
+        most = max(excess.values(), default=0)
+        return [r for r in candidates if excess[r.tenant] == most] if most > 0 else []
+
     def owed(self, tenants: Iterable[str | None], used: dict, but: str | None = None) -> int:
         """Blocks the given tenants (except `but`) are still owed up to their minimum."""
         return sum(max(0, self.min[t] - used[t]) for t in set(tenants) if t in self.min and t != but)

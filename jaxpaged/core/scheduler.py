@@ -382,13 +382,10 @@ class Scheduler:
                 owed.add(t)
                 need += min(shares.min[t] - used[t], cdiv(r.num_tokens, kv.block_size))
         while need and kv.num_free_blocks < need:
-            excess = {r.tenant: shares.excess(r.tenant, used) for r in self.running}
-            over = [r for r in self.running if excess[r.tenant] > 0 and r.tenant not in owed]
+            over = shares.furthest_over([r for r in self.running if r.tenant not in owed], used)
             if not over:
                 return
-            most = max(excess[r.tenant] for r in over)
-            over = [r for r in over if excess[r.tenant] == most]
-            victim = over[-1] if self.config.policy == "fcfs" else max(over, key=self.rank)
+            victim = self._last_in_policy(over)
             if shares.applies(victim.tenant):
                 used[victim.tenant] -= len(kv.req_to_blocks.get(victim.request_id, ()))
             self._preempt(victim, out)
@@ -520,10 +517,11 @@ class Scheduler:
         candidates = self.running[start:]
         if self.shares is not None:  # the tenant furthest over its minimum share first
             used = self.shares.usage(self.running, self.kv.req_to_blocks)
-            excess = {r.tenant: self.shares.excess(r.tenant, used) for r in candidates}
-            most = max(excess.values())
-            if most > 0:
-                candidates = [r for r in candidates if excess[r.tenant] == most]
+            candidates = self.shares.furthest_over(candidates, used) or candidates
+        return self._last_in_policy(candidates)
+
+    def _last_in_policy(self, candidates: list[Request]) -> Request:
+        """The newest (fcfs), else the last in the policy's order (lowest priority; most predicted work left)."""
         if self.config.policy == "fcfs":
             return candidates[-1]
         return max(candidates, key=self.rank)

@@ -38,7 +38,7 @@ def test_unknown_keys_get_401_and_every_tenant_and_the_admin_key_work(server):
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         for key in ("sk-alice", "sk-bob", "sk-carol", API_KEY):
             status, _, body = await call(server, key, {"max_tokens": 2})
-            assert status == 200 and len(body["choices"][0]["text"]) >= 0, (key, body)
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, (key, body)
     asyncio.run(main())
 
 
