@@ -76,6 +76,13 @@ def paged_attention(
     )
 
 
+def kv_pool_spec(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+                 sharding=None) -> jax.ShapeDtypeStruct:
+    """The shape, storage dtype and sharding `empty_kv_pool` gives (to compile against before it exists)."""
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
+
+
 def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
                   sharding=None):
     """A zeroed pool [L, 2, N, block_size, KH, D] of KV values of `dtype` (in its storage dtype); with a

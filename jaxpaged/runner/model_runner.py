@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.attention import empty_kv_pool
+from jaxpaged.attention import empty_kv_pool, kv_pool_spec
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.distributed import multihost
@@ -37,6 +37,7 @@ from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
 from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
+from jaxpaged.runner.step_cache import StepCache, step_cache_dir
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
 from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
@@ -44,8 +45,11 @@ from jaxpaged.spec_decode.draft_model import propose_drafts
 from jaxpaged.spec_decode.rejection import verify_drafts
 from jaxpaged.structured.bitmask import apply_token_bitmask
 from jaxpaged.structured.manager import StructuredOutputManager
+from pallas_kernels.cpu_attention import TARGET as CPU_ATTENTION_TARGET
 
 logger = logging.getLogger(__name__)
+
+DONATED = (1, 2, 3, 8)  # the step's arguments updated in place: KV pool, processor rows, last tokens, draft pool
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 
@@ -250,13 +254,18 @@ class ModelRunner:
         self.draft_transfer: BlockTransfer | None = None  # (the draft pool's copies)
         self._host_pool: np.ndarray | None = None
         self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
-        self.mesh = self.channel = None
+        self.mesh = self.channel = self._kv_pool = self._pending_pool = None
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
         self.mesh = model.mesh  # tensor parallelism: the pool sharded by KV heads, the rest of the state replicated
-        self.kv_pool = empty_kv_pool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                     jnp.dtype(cc.dtype), sharding=pool_sharding(self.mesh))
+        # Zeroing the pool takes seconds on a CPU (4 GiB: ~3 s of page faults): it runs on a thread while the
+        # steps compile against its shape, and `warmup` waits for it at the end.
+        pool = (mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, jnp.dtype(cc.dtype))
+        self._pool_spec = kv_pool_spec(*pool, sharding=pool_sharding(self.mesh))
+        zeroing = ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
+        self._pending_pool = zeroing.submit(empty_kv_pool, *pool, sharding=pool_sharding(self.mesh))
+        zeroing.shutdown(wait=False)
         self.draft_graphdef = self.draft_state = self.draft_pool = None
         if draft_model is not None:  # its own pool, same blocks: the target's block tables index both
             dc = config.draft_model_config
@@ -267,6 +276,17 @@ class ModelRunner:
         self.last_token = self._replicated(jnp.zeros(self.num_rows, jnp.int32))
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
         self.channel = multihost.attach(self)  # a mesh over several processes: process 0 sends each device call
+
+    @property
+    def kv_pool(self) -> jax.Array:
+        """The KV pool [L, 2, N, bs, KH, D] (waits for it to be zeroed, the first time)."""
+        if self._pending_pool is not None:
+            self._kv_pool, self._pending_pool = self._pending_pool.result(), None
+        return self._kv_pool
+
+    @kv_pool.setter
+    def kv_pool(self, pool: jax.Array) -> None:
+        self._kv_pool, self._pending_pool = pool, None
 
     def _replicated(self, tree):
         """`tree` on every device of the mesh (as is without one)."""
@@ -320,7 +340,7 @@ class ModelRunner:
     def _jitted(self, t: int):
         return jax.jit(partial(_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,
                                self.config.sampler_backend, self.spec_width, self._packers[t]),
-                       donate_argnums=(1, 2, 3, 8))
+                       donate_argnums=DONATED)
 
     def _run(self, step, ints, floats, bitmask):
         """Call a step (compiled or jitted), keeping the device state it returns; returns (result, prompt_lp)."""
@@ -340,28 +360,62 @@ class ModelRunner:
         logger.info("Compiling the step for %d token buckets: %s", len(self.buckets), self.buckets)
         # Tracing holds the GIL; XLA's compile (or its load from the persistent cache) does not: buckets are
         # traced one by one and compiled on a thread per core (2 cores, SmolLM2: compile 53.7 -> 50.0 s cold,
-        # 11.2 -> 7.9 s from the persistent cache; tracing is most of what remains).
+        # 11.2 -> 7.9 s from the persistent cache; tracing was most of what remained, and a bucket found in the
+        # step cache is not traced).
+        cache, loaded = self._step_cache(), 0
+        v = self.config.model_config.vocab_size
         with ThreadPoolExecutor(max_workers=max(1, min(len(self.buckets), os.cpu_count() or 1))) as pool:
+            small = [pool.submit(self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
+                                                        np.zeros(v, bool)).compile),
+                     pool.submit(BlockTransfer, self._pool_spec)]
+            if self.draft_pool is not None:
+                small.append(pool.submit(BlockTransfer, self.draft_pool))
             futures = {}
             for t in self.buckets:
                 ints, floats = self._packers[t].pack(self._template(t))
-                lowered = self._jitted(t).lower(self.state, self.kv_pool, self.row_state, self.last_token, ints,
-                                                floats, self._free_mask(t), self.draft_state, self.draft_pool)
-                futures[pool.submit(lowered.compile)] = t
+                args = (self.state, self._pool_spec, self.row_state, self.last_token, ints, floats,
+                        self._free_mask(t), self.draft_state, self.draft_pool)
+                step = None
+                if cache is not None:  # (a cached step is read, lowered and compiled on the pool's threads)
+                    if cache.has(str(t)):
+                        futures[pool.submit(cache.compile, str(t), args, DONATED)] = (t, args, True)
+                        continue
+                    step = cache.export(str(t), self._jitted(t), args, DONATED)
+                futures[pool.submit((step or self._jitted(t)).lower(*args).compile)] = (t, args, False)
             for future in tqdm(as_completed(futures), total=len(futures), desc="Compiling step buckets",
                                unit="bucket", leave=False):
-                self._compiled[futures[future]] = future.result()
-        v = self.config.model_config.vocab_size
-        self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
-                                                  np.zeros(v, bool)).compile()
-        self.transfer = BlockTransfer(self.kv_pool)
-        if self.draft_pool is not None:
-            self.draft_transfer = BlockTransfer(self.draft_pool)
+                t, args, cached = futures[future]
+                try:
+                    self._compiled[t] = future.result()
+                    loaded += cached
+                except Exception as e:  # a cached step unusable here: trace it instead
+                    if not cached:
+                        raise
+                    logger.warning("the cached step for %d tokens is unusable (%s); tracing it again", t, e)
+                    step = cache.export(str(t), self._jitted(t), args, DONATED)  # (replacing the entry)
+                    self._compiled[t] = (step or self._jitted(t)).lower(*args).compile()
+            self._write_rows, self.transfer, *draft = (f.result() for f in small)
+            self.draft_transfer = draft[0] if draft else None
+        if loaded:
+            logger.info("%d of %d step buckets were read from the step cache %s", loaded, len(self.buckets),
+                        cache.dir)
         if self.channel is not None:
             self.channel.warmup(self.buckets)
+        self.kv_pool.block_until_ready()  # (ready: the pool zeroed)
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
+
+    def _step_cache(self) -> StepCache | None:
+        """The on-disk cache of compiled steps for this engine (one process, no mesh), or None (off)."""
+        root = step_cache_dir()
+        if root is None or self.mesh is not None or self.channel is not None:
+            return None
+        shared = (self.state, self._pool_spec, self.row_state, self.last_token, self.draft_state, self.draft_pool)
+        calls = (CPU_ATTENTION_TARGET,) if self.config.attention_backend == "cpu" else ()
+        if "pallas" in (self.config.attention_backend, self.config.sampler_backend):
+            calls += ("__gpu$xla.gpu.triton",)  # (Pallas' Triton kernels on GPU)
+        return StepCache(root, repr((self.config, self.graphdef, self.draft_graphdef)), shared, calls)
 
     def time_buckets(self, up_to: int) -> dict[int, tuple[float, float]]:
         """Seconds a step of each token bucket up to `up_to` takes without and with drafts to verify (an empty
@@ -565,7 +619,7 @@ class ModelRunner:
         """Fork copies (recorded before this step's schedule), swap-outs, copy-on-write copies, swap-ins: each
         reads its blocks before anything handed out later in the schedule can overwrite them."""
         if self.transfer is None:
-            self.transfer = BlockTransfer(self.kv_pool)
+            self.transfer = BlockTransfer(self._pool_spec)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             if out.kv_store:  # evicted cached blocks, before anything handed out again overwrites them
                 dev, slots = zip(*out.kv_store)

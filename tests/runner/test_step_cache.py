@@ -1,0 +1,114 @@
+"""The step cache (`runner/step_cache.py`): an engine whose steps are on disk does not trace the model, and
+generates what a traced engine does; a damaged entry, another configuration or other code is traced again."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.runner import model_runner, step_cache
+
+KW = dict(max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="2MiB", compile_guard=True)
+PROMPTS = [[1, 5, 9, 13, 2], list(range(3, 50)), [7] * 20]
+
+
+def greedy(llm) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times the model's step has been traced."""
+    count = [0]
+    real = model_runner._step
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "_step", counted)
+    return count
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPAGED_STEP_CACHE", str(tmp_path / "steps"))
+    return tmp_path / "steps"
+
+
+def entries(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.bin"))
+
+
+def test_cached_steps_are_not_traced_and_match(tiny_model_dir, cache_dir, traces, monkeypatch):
+    path = tiny_model_dir("llama")
+    monkeypatch.setenv("JAXPAGED_STEP_CACHE", "off")
+    plain = LLM(path, **KW)
+    buckets = len(plain.engine.core.runner.buckets)
+    expected = greedy(plain)
+    assert traces[0] == buckets and not cache_dir.exists()
+
+    monkeypatch.setenv("JAXPAGED_STEP_CACHE", str(cache_dir))
+    first = LLM(path, **KW)  # traces each bucket once and keeps it
+    assert traces[0] == 2 * buckets and len(entries(cache_dir)) == buckets
+    assert greedy(first) == expected
+    second = LLM(path, **KW)
+    assert traces[0] == 2 * buckets, "a cached step was traced"
+    pool = second.engine.core.runner.kv_pool.unsafe_buffer_pointer()
+    assert greedy(second) == expected  # (compile guard on: and nothing compiled while generating)
+    assert second.engine.core.runner.kv_pool.unsafe_buffer_pointer() == pool  # updated in place (donated)
+
+
+def test_damaged_entry_is_traced_again(tiny_model_dir, cache_dir, traces, caplog):
+    path = tiny_model_dir("llama")
+    expected = greedy(LLM(path, **KW))
+    first = traces[0]
+    victim = sorted(cache_dir.rglob("*.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(path, **KW)
+    assert traces[0] == first + 1  # only the damaged bucket
+    assert "checksum mismatch" in caplog.text
+    assert greedy(llm) == expected
+    LLM(path, **KW)  # the entry was replaced: nothing is traced
+    assert traces[0] == first + 1
+
+
+def test_other_configuration_or_code_is_traced_again(tiny_model_dir, cache_dir, traces, monkeypatch):
+    path = tiny_model_dir("llama")
+    LLM(path, **KW)
+    buckets = traces[0]
+    LLM(path, **{**KW, "max_num_seqs": 8})  # another configuration: another key
+    assert traces[0] == 2 * buckets and len(os.listdir(cache_dir)) == 2
+    monkeypatch.setattr(step_cache, "source_digest", lambda: "edited")
+    LLM(path, **KW)  # other code: another key
+    assert traces[0] == 3 * buckets and len(os.listdir(cache_dir)) == 3
+
+
+def test_prune_keeps_the_newest_keys(tmp_path):
+    for i in range(step_cache.KEEP + 3):
+        d = tmp_path / f"key{i:02d}"
+        d.mkdir()
+        os.utime(d, (1000 + i, 1000 + i))
+    cache = step_cache.StepCache(tmp_path, "what", ())
+    cache.dir.mkdir()
+    cache._prune()
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert cache.dir.name in kept and len(kept) == step_cache.KEEP
+    assert "key00" not in kept and f"key{step_cache.KEEP + 2:02d}" in kept
+
+
+def test_off_by_default_with_the_compilation_cache_off(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXPAGED_STEP_CACHE", raising=False)
+    monkeypatch.setenv("JAXPAGED_COMPILATION_CACHE", "off")
+    assert step_cache.step_cache_dir() is None
+    monkeypatch.setenv("JAXPAGED_COMPILATION_CACHE", str(tmp_path / "xla"))
+    assert step_cache.step_cache_dir() == tmp_path / "xla-steps"
+    monkeypatch.setenv("JAXPAGED_STEP_CACHE", "off")
+    assert step_cache.step_cache_dir() is None
