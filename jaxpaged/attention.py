@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -81,6 +82,16 @@ def kv_pool_spec(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     """The shape, storage dtype and sharding `empty_kv_pool` gives (to compile against before it exists)."""
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     return jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
+
+
+def empty_kv_pool_soon(*args, sharding=None) -> Future:
+    """`empty_kv_pool(*args)` made on a thread: zeroing a large pool takes seconds on a CPU (4 GiB: ~2-4 s of
+    page faults), which can overlap loading weights and compiling."""
+    zeroing = ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
+    try:
+        return zeroing.submit(empty_kv_pool, *args, sharding=sharding)
+    finally:
+        zeroing.shutdown(wait=False)
 
 
 def empty_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,

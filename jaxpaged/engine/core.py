@@ -52,7 +52,9 @@ class StepStats:
 class EngineCore:
     """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
 
-    def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None, draft_model=None):
+    def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None, draft_model=None,
+                 kv_pool=None):
+        """kv_pool: the KV pool being zeroed already (a Future, `empty_kv_pool_soon`), or None."""
         self.config = config
         sc, cc = config.scheduler_config, config.cache_config
         self.offload = KVOffload.for_engine(config) if cc.offload_host_blocks and not stub else None
@@ -61,7 +63,7 @@ class EngineCore:
                                                num_host_blocks=cc.num_host_blocks, offload=self.offload)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload,
-                                  draft_model=draft_model)
+                                  draft_model=draft_model, kv_pool=kv_pool)
         self.speculative = config.speculative
         # Drafts are proposed from known tokens, and a step's accepted count decides where the next one starts:
         # with speculative decoding, each step's results come in before the next is scheduled.

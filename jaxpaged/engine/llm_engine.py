@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.attention import empty_kv_pool_soon
 from jaxpaged.config import (
     CacheConfig,
     EngineArgs,
@@ -82,6 +84,14 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
                       draft_config)
 
 
+def _pool_known_before_weights(args: EngineArgs) -> bool:
+    """Whether the KV pool can be sized and made before the weights load: one process, one device, and a size
+    that does not depend on the memory the weights leave free."""
+    sized_by_free_memory = platform_is_gpu() and args.kv_cache_memory is None and args.num_kv_blocks is None
+    return (not sized_by_free_memory and args.tensor_parallel_size == 1 and args.data_parallel_size == 1
+            and args.num_processes == 1)
+
+
 def calibrate_kv_scales(model, tokenizer, kv_dtype: str) -> None:
     """Give `model` fp8 KV scales from the calibration text (models/kv_scales.py), and log their range."""
     start = time.perf_counter()
@@ -119,14 +129,17 @@ class EngineStats:
 class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none are unfinished."""
 
-    def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False, draft_model=None):
-        """model: the model, or a list of copies on disjoint devices (data parallelism: a replica each)."""
+    def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False, draft_model=None,
+                 kv_pool=None):
+        """model: the model, or a list of copies on disjoint devices (data parallelism: a replica each);
+        kv_pool: one model's KV pool being zeroed already (a Future, `empty_kv_pool_soon`), or None."""
         self.config = config
         self.tokenizer = tokenizer
         mc = config.model_config
         self.structured = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids)
-        cores = [EngineCore(config, m, stub=stub, structured=self.structured, draft_model=draft_model)
-                 for m in (model if isinstance(model, list) else [model])]
+        models = model if isinstance(model, list) else [model]
+        cores = [EngineCore(config, m, stub=stub, structured=self.structured, draft_model=draft_model,
+                            kv_pool=kv_pool if len(models) == 1 else None) for m in models]
         self.core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
         self.warmup_seconds = self.core.warmup()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -164,6 +177,11 @@ class LLMEngine:
         attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
         model, models, draft_model, param_bytes = None, None, None, 0
+        blocks = kv_pool = None
+        if not stub and _pool_known_before_weights(args):  # (zeroing it overlaps the weights' load)
+            blocks = num_kv_blocks(args, model_config, args.block_size, 0, draft_config)
+            kv_pool = empty_kv_pool_soon(model_config.num_layers, blocks, args.block_size, model_config.num_kv_heads,
+                                         model_config.head_dim, jnp.dtype(args.resolved_kv_dtype()))
         if not stub:
             weights = load_weights(model_config, args.load_format)  # (once, for every data-parallel replica)
             models = [build_model(model_config, weights=weights, kv_chunk=max(32, args.block_size),
@@ -190,7 +208,8 @@ class LLMEngine:
                     m.set_kv_scales(model.kv_scale[...])
             param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
                               for x in jax.tree.leaves(nnx.state(m)))
-        blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
+        if blocks is None:
+            blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
         blocks = multihost.from_leader(blocks)  # (several processes: each sized its own; all take process 0's)
         if (blocks - 1) * args.block_size < sched.max_model_len:
             logger.warning("The KV pool holds %d tokens, fewer than max_model_len=%d: long requests will be "
@@ -215,7 +234,7 @@ class LLMEngine:
             load_format=args.load_format,
         )
         return cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
-                   draft_model=draft_model)
+                   draft_model=draft_model, kv_pool=kv_pool)
 
     def flush_kv_offload(self) -> None:
         """Wait until the KV disk tier has written every block handed to it (the engine stays usable)."""

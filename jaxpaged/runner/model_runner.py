@@ -14,8 +14,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,7 +26,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.attention import empty_kv_pool, kv_pool_spec
+from jaxpaged.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.distributed import multihost
@@ -39,6 +40,7 @@ from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.step_cache import StepCache, step_cache_dir
 from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
+from jaxpaged.runner.step_loader import StepLoader
 from jaxpaged.sampler import SamplerOutput, sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.spec_decode.draft_model import propose_drafts
@@ -55,13 +57,14 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/
 
 
 class CompileGuard:
-    """Counts JAX traces and compiles; `check()` raises if any happened inside `watch()`."""
+    """Counts JAX traces and compiles; `watch()` raises if any happened inside it, on its thread (the step cache's
+    background loads, on their own threads, do not count)."""
 
     _installed: list[CompileGuard] = []
 
     def __init__(self):
         self.count = 0
-        self._active = False
+        self._thread: int | None = None  # the watching thread
         if not CompileGuard._installed:
             jax.monitoring.register_event_duration_secs_listener(CompileGuard._on_event)
         CompileGuard._installed.append(self)
@@ -70,16 +73,16 @@ class CompileGuard:
     def _on_event(event: str, duration: float, **kwargs) -> None:
         if event in _COMPILE_EVENTS:
             for g in CompileGuard._installed:
-                if g._active:
+                if g._thread == threading.get_ident():
                     g.count += 1
 
     @contextlib.contextmanager
     def watch(self):
-        before, self._active = self.count, True
+        before, self._thread = self.count, threading.get_ident()
         try:
             yield
         finally:
-            self._active = False
+            self._thread = None
         if self.count != before:
             raise RuntimeError(
                 f"the step compiled {self.count - before} time(s) after warmup: a shape or dtype escaped the buckets"
@@ -233,7 +236,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None, *, stub: bool = False,
                  structured: StructuredOutputManager | None = None, offload: KVOffload | None = None,
-                 draft_model: LlamaForCausalLM | None = None):
+                 draft_model: LlamaForCausalLM | None = None, kv_pool: Future | None = None):
+        """kv_pool: the pool being zeroed already (`empty_kv_pool_soon`), or None to start it here."""
         self.config = config
         self.stub = stub
         self.structured = structured
@@ -249,6 +253,7 @@ class ModelRunner:
         self.mask_width = (config.model_config.vocab_size + 31) // 32
         self._free_masks: dict[int, jax.Array] = {}  # rows -> an all-ones bitmask kept on the device
         self._compiled: dict[int, jax.stages.Compiled] = {}
+        self._loader: StepLoader | None = None  # the step cache's buckets, loading after warmup
         self.guard = CompileGuard()
         self.transfer: BlockTransfer | None = None  # compiled at warmup
         self.draft_transfer: BlockTransfer | None = None  # (the draft pool's copies)
@@ -259,13 +264,11 @@ class ModelRunner:
             return
         self.graphdef, self.state = nnx.split(model)
         self.mesh = model.mesh  # tensor parallelism: the pool sharded by KV heads, the rest of the state replicated
-        # Zeroing the pool takes seconds on a CPU (4 GiB: ~3 s of page faults): it runs on a thread while the
-        # steps compile against its shape, and `warmup` waits for it at the end.
+        # The pool is zeroed on a thread (or was, from before the weights loaded: `kv_pool`) while the steps
+        # compile against its shape; `warmup` waits for it at the end.
         pool = (mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, jnp.dtype(cc.dtype))
         self._pool_spec = kv_pool_spec(*pool, sharding=pool_sharding(self.mesh))
-        zeroing = ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
-        self._pending_pool = zeroing.submit(empty_kv_pool, *pool, sharding=pool_sharding(self.mesh))
-        zeroing.shutdown(wait=False)
+        self._pending_pool = kv_pool or empty_kv_pool_soon(*pool, sharding=pool_sharding(self.mesh))
         self.draft_graphdef = self.draft_state = self.draft_pool = None
         if draft_model is not None:  # its own pool, same blocks: the target's block tables index both
             dc = config.draft_model_config
@@ -321,7 +324,7 @@ class ModelRunner:
         with self._call():
             if self._sends():
                 self.channel.send_step(t, ints, floats, bitmask if isinstance(bitmask, np.ndarray) else None)
-            step = self._compiled.get(t)
+            step = self._ready_step(t)
             return self._run(self._jitted(t) if step is None else step, ints, floats, bitmask)
 
     def _get(self, tree):
@@ -362,8 +365,17 @@ class ModelRunner:
         # traced one by one and compiled on a thread per core (2 cores, SmolLM2: compile 53.7 -> 50.0 s cold,
         # 11.2 -> 7.9 s from the persistent cache; tracing was most of what remained, and a bucket found in the
         # step cache is not traced).
-        cache, loaded = self._step_cache(), 0
+        cache = self._step_cache()
         v = self.config.model_config.vocab_size
+        args = {}
+        for t in self.buckets:
+            ints, floats = self._packers[t].pack(self._template(t))
+            args[t] = (self.state, self._pool_spec, self.row_state, self.last_token, ints, floats, self._free_mask(t),
+                       self.draft_state, self.draft_pool)
+        cached = [t for t in self.buckets if cache is not None and cache.has(str(t))]
+        if cached:  # (loaded in the background, smallest first: see step_loader.py)
+            self._loader = StepLoader({t: partial(self._load_cached, cache, t, args[t]) for t in cached},
+                                      workers=max(1, (os.cpu_count() or 1) - 1))
         with ThreadPoolExecutor(max_workers=max(1, min(len(self.buckets), os.cpu_count() or 1))) as pool:
             small = [pool.submit(self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
                                                         np.zeros(v, bool)).compile),
@@ -372,39 +384,47 @@ class ModelRunner:
                 small.append(pool.submit(BlockTransfer, self.draft_pool))
             futures = {}
             for t in self.buckets:
-                ints, floats = self._packers[t].pack(self._template(t))
-                args = (self.state, self._pool_spec, self.row_state, self.last_token, ints, floats,
-                        self._free_mask(t), self.draft_state, self.draft_pool)
-                step = None
-                if cache is not None:  # (a cached step is read, lowered and compiled on the pool's threads)
-                    if cache.has(str(t)):
-                        futures[pool.submit(cache.compile, str(t), args, DONATED)] = (t, args, True)
-                        continue
-                    step = cache.export(str(t), self._jitted(t), args, DONATED)
-                futures[pool.submit((step or self._jitted(t)).lower(*args).compile)] = (t, args, False)
+                if t not in cached:
+                    step = cache.export(str(t), self._jitted(t), args[t], DONATED) if cache is not None else None
+                    futures[pool.submit((step or self._jitted(t)).lower(*args[t]).compile)] = t
             for future in tqdm(as_completed(futures), total=len(futures), desc="Compiling step buckets",
                                unit="bucket", leave=False):
-                t, args, cached = futures[future]
-                try:
-                    self._compiled[t] = future.result()
-                    loaded += cached
-                except Exception as e:  # a cached step unusable here: trace it instead
-                    if not cached:
-                        raise
-                    logger.warning("the cached step for %d tokens is unusable (%s); tracing it again", t, e)
-                    step = cache.export(str(t), self._jitted(t), args, DONATED)  # (replacing the entry)
-                    self._compiled[t] = (step or self._jitted(t)).lower(*args).compile()
+                self._compiled[futures[future]] = future.result()
             self._write_rows, self.transfer, *draft = (f.result() for f in small)
             self.draft_transfer = draft[0] if draft else None
-        if loaded:
-            logger.info("%d of %d step buckets were read from the step cache %s", loaded, len(self.buckets),
-                        cache.dir)
+        if cached:
+            logger.info("%d of %d step buckets are in the step cache %s (loading in the background)", len(cached),
+                        len(self.buckets), cache.dir)
         if self.channel is not None:
             self.channel.warmup(self.buckets)
-        self.kv_pool.block_until_ready()  # (ready: the pool zeroed)
+        pool = self.kv_pool.block_until_ready()  # (ready: the pool zeroed)
+        if (pool.shape, pool.dtype) != (self._pool_spec.shape, self._pool_spec.dtype):
+            raise RuntimeError(f"the KV pool made before the weights loaded is {pool.shape} {pool.dtype}, not "
+                               f"{self._pool_spec.shape} {self._pool_spec.dtype}")
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
+
+    def _load_cached(self, cache: StepCache, t: int, args):
+        """Bucket t's step from the step cache, compiled (traced again, and its entry replaced, if unusable)."""
+        try:
+            return cache.compile(str(t), args, DONATED)
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: trace it instead
+            logger.warning("the cached step for %d tokens is unusable (%s); tracing it again", t, e)
+            step = cache.export(str(t), self._jitted(t), args, DONATED)
+            return (step or self._jitted(t)).lower(*args).compile()
+
+    def _ready_step(self, t: int):
+        """Bucket t's compiled step (waiting for its background load, if it is one), or None."""
+        step = self._compiled.get(t)
+        if step is None and self._loader is not None and t in self._loader:
+            step = self._compiled[t] = self._loader.get(t)
+        return step
+
+    def wait_for_steps(self) -> None:
+        """Wait until every bucket's step is loaded (the step cache's load in the background after warmup)."""
+        for t in self.buckets:
+            self._ready_step(t)
 
     def _step_cache(self) -> StepCache | None:
         """The on-disk cache of compiled steps for this engine (one process, no mesh), or None (off)."""
@@ -426,7 +446,7 @@ class ModelRunner:
 
         def run(t: int, ints, floats) -> float:
             start = time.perf_counter()
-            result, _ = self._run(self._compiled[t], ints, floats, self._free_mask(t))
+            result, _ = self._run(self._ready_step(t), ints, floats, self._free_mask(t))
             jax.block_until_ready(result)
             return time.perf_counter() - start
 
@@ -514,7 +534,7 @@ class ModelRunner:
         if self.stub:
             return StepHandle(prep.out, prep.plan, np.full(len(prep.plan.order), 7, np.int32), None,
                               prep.constrained, t)
-        if t not in self._compiled and self.config.compile_guard:
+        if self._ready_step(t) is None and self.config.compile_guard:  # (before the guard: a load is no compile)
             raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             result, prompt_lp = self.run_step(t, prep.ints, prep.floats, bitmask)

@@ -15,6 +15,13 @@ KW = dict(max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="2MiB", com
 PROMPTS = [[1, 5, 9, 13, 2], list(range(3, 50)), [7] * 20]
 
 
+def engine(path, **kw) -> LLM:
+    """An engine with every step loaded (the cached ones load in the background after warmup)."""
+    llm = LLM(path, **{**KW, **kw})
+    llm.engine.core.runner.wait_for_steps()
+    return llm
+
+
 def greedy(llm) -> list[list[int]]:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -47,16 +54,16 @@ def entries(root) -> list[str]:
 def test_cached_steps_are_not_traced_and_match(tiny_model_dir, cache_dir, traces, monkeypatch):
     path = tiny_model_dir("llama")
     monkeypatch.setenv("JAXPAGED_STEP_CACHE", "off")
-    plain = LLM(path, **KW)
+    plain = engine(path)
     buckets = len(plain.engine.core.runner.buckets)
     expected = greedy(plain)
     assert traces[0] == buckets and not cache_dir.exists()
 
     monkeypatch.setenv("JAXPAGED_STEP_CACHE", str(cache_dir))
-    first = LLM(path, **KW)  # traces each bucket once and keeps it
+    first = engine(path)  # traces each bucket once and keeps it
     assert traces[0] == 2 * buckets and len(entries(cache_dir)) == buckets
     assert greedy(first) == expected
-    second = LLM(path, **KW)
+    second = LLM(path, **KW)  # (steps loading in the background: generating waits for each one it needs)
     assert traces[0] == 2 * buckets, "a cached step was traced"
     pool = second.engine.core.runner.kv_pool.unsafe_buffer_pointer()
     assert greedy(second) == expected  # (compile guard on: and nothing compiled while generating)
@@ -65,29 +72,29 @@ def test_cached_steps_are_not_traced_and_match(tiny_model_dir, cache_dir, traces
 
 def test_damaged_entry_is_traced_again(tiny_model_dir, cache_dir, traces, caplog):
     path = tiny_model_dir("llama")
-    expected = greedy(LLM(path, **KW))
+    expected = greedy(engine(path))
     first = traces[0]
     victim = sorted(cache_dir.rglob("*.bin"))[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        llm = LLM(path, **KW)
+        llm = engine(path)  # (the damaged step is traced on a background thread)
     assert traces[0] == first + 1  # only the damaged bucket
     assert "checksum mismatch" in caplog.text
     assert greedy(llm) == expected
-    LLM(path, **KW)  # the entry was replaced: nothing is traced
+    engine(path)  # the entry was replaced: nothing is traced
     assert traces[0] == first + 1
 
 
 def test_other_configuration_or_code_is_traced_again(tiny_model_dir, cache_dir, traces, monkeypatch):
     path = tiny_model_dir("llama")
-    LLM(path, **KW)
+    engine(path)
     buckets = traces[0]
-    LLM(path, **{**KW, "max_num_seqs": 8})  # another configuration: another key
+    engine(path, max_num_seqs=8)  # another configuration: another key
     assert traces[0] == 2 * buckets and len(os.listdir(cache_dir)) == 2
     monkeypatch.setattr(step_cache, "source_digest", lambda: "edited")
-    LLM(path, **KW)  # other code: another key
+    engine(path)  # other code: another key
     assert traces[0] == 3 * buckets and len(os.listdir(cache_dir)) == 3
 
 
