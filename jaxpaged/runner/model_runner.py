@@ -267,6 +267,7 @@ class ModelRunner:
         # The pool is zeroed on a thread (or was, from before the weights loaded: `kv_pool`) while the steps
         # compile against its shape; `warmup` waits for it at the end.
         pool = (mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, jnp.dtype(cc.dtype))
+        self._pool_args = pool
         self._pool_spec = kv_pool_spec(*pool, sharding=pool_sharding(self.mesh))
         self._pending_pool = kv_pool or empty_kv_pool_soon(*pool, sharding=pool_sharding(self.mesh))
         self.draft_graphdef = self.draft_state = self.draft_pool = None
@@ -398,9 +399,12 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.warmup(self.buckets)
         pool = self.kv_pool.block_until_ready()  # (ready: the pool zeroed)
-        if (pool.shape, pool.dtype) != (self._pool_spec.shape, self._pool_spec.dtype):
-            raise RuntimeError(f"the KV pool made before the weights loaded is {pool.shape} {pool.dtype}, not "
-                               f"{self._pool_spec.shape} {self._pool_spec.dtype}")
+        if (pool.shape, pool.dtype) != (self._pool_spec.shape, self._pool_spec.dtype):  # (a bug upstream)
+            logger.warning("the KV pool made before the weights loaded is %s %s, not %s %s: making it again",
+                           pool.shape, pool.dtype, self._pool_spec.shape, self._pool_spec.dtype)
+            del pool
+            self.kv_pool = None
+            self.kv_pool = empty_kv_pool(*self._pool_args, sharding=pool_sharding(self.mesh))
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d step buckets in %.1f s", len(self.buckets), elapsed)
         return elapsed
@@ -443,6 +447,7 @@ class ModelRunner:
         tokens to no row)."""
         if self.stub:
             return {}
+        self.wait_for_steps()  # (a bucket's first run would otherwise time its load)
 
         def run(t: int, ints, floats) -> float:
             start = time.perf_counter()
@@ -642,9 +647,7 @@ class ModelRunner:
             self.transfer = BlockTransfer(self._pool_spec)
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
             if out.kv_store:  # evicted cached blocks, before anything handed out again overwrites them
-                dev, slots = zip(*out.kv_store)
-                self.transfer.read(self.kv_pool, list(dev), self.offload.host.data, list(slots))
-                self.offload.stored(slots)
+                self.store_blocks(out.kv_store)
             if out.fork_copies:
                 self._copy_blocks(out.fork_copies)
             if out.swap_out:
@@ -658,6 +661,15 @@ class ModelRunner:
             if out.kv_load:  # prefix blocks found in the host (or disk) tier, into their fresh device blocks
                 slots, dev = zip(*out.kv_load)
                 self.kv_pool = self.transfer.write(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+
+    def store_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into the offload tier's host slots, (device block, host slot) pairs, and pass them
+        on to its disk tier."""
+        if self.transfer is None:
+            self.transfer = BlockTransfer(self._pool_spec)
+        dev, slots = zip(*pairs)
+        self.transfer.read(self.kv_pool, list(dev), self.offload.host.data, list(slots))
+        self.offload.stored(slots)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks src -> dst in the KV pool, and in the draft model's pool. (Swaps and the offload tiers move

@@ -12,7 +12,10 @@ executables, deserialized without the compile options that cache passes, fail wh
 are kept.
 
 `JAXPAGED_STEP_CACHE=DIR` puts it elsewhere, `off` turns it off; by default it lives beside the XLA cache
-(`~/.cache/jaxpaged/steps`, or `$JAXPAGED_COMPILATION_CACHE-steps`) and is off when that cache is.
+(`~/.cache/jaxpaged/steps`, or `$JAXPAGED_COMPILATION_CACHE-steps`) and is off when that cache is. Pruning
+touches only its own key folders (32 hex digits), so a shared folder is safe; a read-only one is read and
+not written. Entries are pickles checked against damage, not authenticated: like XLA's cache, the folder must
+not be writable by anyone the engine does not trust.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 KEEP = 8  # newest keys kept (one per engine configuration and code version)
+_KEY = re.compile(r"[0-9a-f]{32}")  # a key folder's name (nothing else under the root is pruned)
 _PACKAGES = ("jaxpaged", "pallas_kernels")
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
 _FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion", "jax_default_prng_impl",
@@ -65,14 +70,16 @@ def source_digest() -> str:
 @functools.cache
 def _environment() -> str:
     """The jax/jaxlib versions, backend, devices, this CPU and the numerics flags."""
+    import flax
     import jaxlib
+    import ml_dtypes
 
     from pallas_kernels.cpu_build import _cpu_identity
 
     flags = {name: str(getattr(jax.config, name, None)) for name in _FLAGS}
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
-    return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), devices, _cpu_identity(), flags,
-                 os.environ.get("XLA_FLAGS", "")))
+    versions = (jax.__version__, jaxlib.__version__, flax.__version__, ml_dtypes.__version__)
+    return repr((versions, jax.default_backend(), devices, _cpu_identity(), flags, os.environ.get("XLA_FLAGS", "")))
 
 
 def _describe(args) -> str:
@@ -113,12 +120,16 @@ class StepCache:
             raise ValueError(f"{path}: made for other argument shapes")
         step = FlatStep(jax.export.deserialize(bytearray(module)).call, in_tree, out_tree, donate, args)
         compiled = step.lower(*args).compile()
-        os.utime(self.dir)  # (recently used: kept when older keys are pruned)
+        try:
+            os.utime(self.dir)  # (recently used: kept when older keys are pruned)
+        except OSError:  # (a read-only cache)
+            pass
         return compiled
 
     def export(self, name: str, fn, args, donate: tuple[int, ...]):
-        """Trace `fn` on `args`, keep the traced module, and return it like `load` does; None (logged) where it
-        cannot be exported or kept (the caller then compiles `fn` directly)."""
+        """Trace `fn` on `args` and keep the traced module (where the folder can be written); returns it as a
+        `FlatStep` to lower and compile, or None (logged) where it cannot be exported (the caller then compiles
+        `fn` directly)."""
         leaves, in_tree = jax.tree.flatten(args)
         trees = []
 
@@ -131,21 +142,33 @@ class StepCache:
             checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in self.custom_calls]
             exported = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
             payload = pickle.dumps((_describe(args), bytes(exported.serialize()), in_tree, trees[-1]))
+        except Exception as e:  # noqa: BLE001 - not keeping a step only costs the next start its trace
+            logger.warning("could not export the traced step %s (%s)", name, e)
+            return None
+        self._write(name, hashlib.sha256(payload).digest() + payload)
+        return FlatStep(exported.call, in_tree, trees[-1], donate, args)
+
+    def _write(self, name: str, blob: bytes) -> None:
+        """Keep an entry (under a temporary name, then renamed); logged, not raised, where it cannot be."""
+        tmp = None
+        try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=self.dir)
             with os.fdopen(fd, "wb") as f:
-                f.write(hashlib.sha256(payload).digest() + payload)
+                f.write(blob)
             os.replace(tmp, self._path(name))
-        except Exception as e:  # noqa: BLE001 - not keeping a step only costs the next start its trace
+        except OSError as e:  # (a read-only or full disk: the next start traces this step again)
             logger.warning("could not keep the traced step %s in %s (%s)", name, self.dir, e)
-            return None
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return
         self._prune()
-        return FlatStep(exported.call, in_tree, trees[-1], donate, args)
 
     def _prune(self) -> None:
         """Remove all but the `KEEP` most recently used keys."""
         try:
-            keys = sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            keys = sorted((p for p in self.root.iterdir() if _KEY.fullmatch(p.name) and p.is_dir()),
+                          key=lambda p: p.stat().st_mtime)
         except OSError:
             return
         for old in keys[:-KEEP]:

@@ -47,11 +47,19 @@ class StepLoader:
             return None
 
     def _run(self, t: int) -> None:
-        future = self._futures[t]
+        future, job = self._futures[t], self._jobs[t]
         try:
-            future.set_result(self._jobs.pop(t)())
-        except BaseException as e:  # (handed to whoever asks for this bucket)
+            future.set_result(job())
+        except Exception as e:  # (handed to whoever asks for this bucket)
             future.set_exception(e)
+        except BaseException as e:  # (an interrupt: this load did not fail; the next `get` starts it again)
+            with self._lock:
+                self._futures[t] = Future()
+                self._dropped.add(t)
+            future.set_exception(e)
+            raise
+        else:
+            del self._jobs[t]
 
     def _work(self) -> None:
         while (t := self._take()) is not None:

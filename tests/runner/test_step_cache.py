@@ -64,10 +64,11 @@ def test_cached_steps_are_not_traced_and_match(tiny_model_dir, cache_dir, traces
     assert traces[0] == 2 * buckets and len(entries(cache_dir)) == buckets
     assert greedy(first) == expected
     second = LLM(path, **KW)  # (steps loading in the background: generating waits for each one it needs)
-    assert traces[0] == 2 * buckets, "a cached step was traced"
     pool = second.engine.core.runner.kv_pool.unsafe_buffer_pointer()
     assert greedy(second) == expected  # (compile guard on: and nothing compiled while generating)
     assert second.engine.core.runner.kv_pool.unsafe_buffer_pointer() == pool  # updated in place (donated)
+    second.engine.core.runner.wait_for_steps()
+    assert traces[0] == 2 * buckets, "a cached step was traced"
 
 
 def test_damaged_entry_is_traced_again(tiny_model_dir, cache_dir, traces, caplog):
@@ -98,17 +99,42 @@ def test_other_configuration_or_code_is_traced_again(tiny_model_dir, cache_dir, 
     assert traces[0] == 3 * buckets and len(os.listdir(cache_dir)) == 3
 
 
-def test_prune_keeps_the_newest_keys(tmp_path):
+def test_a_read_only_cache_is_used_and_not_written(tiny_model_dir, cache_dir, traces, caplog, monkeypatch):
+    path = tiny_model_dir("llama")
+    expected = greedy(engine(path))
+    buckets = traces[0]
+    (key,) = cache_dir.iterdir()
+    victim = sorted(key.glob("*.bin"))[0]
+    victim.unlink()  # one bucket missing: traced, and cannot be kept
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(step_cache.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(step_cache.os, "utime", read_only)
+    with caplog.at_level(logging.WARNING):
+        llm = engine(path)
+    assert greedy(llm) == expected
+    assert traces[0] == buckets + 1 and not victim.exists()  # the others loaded; the missing one traced once
+    assert "could not keep the traced step" in caplog.text and "unusable" not in caplog.text
+
+
+def test_prune_keeps_the_newest_keys_and_nothing_else(tmp_path):
+    def key(i: int) -> str:
+        return f"{i:032x}"
+
     for i in range(step_cache.KEEP + 3):
-        d = tmp_path / f"key{i:02d}"
+        d = tmp_path / key(i)
         d.mkdir()
         os.utime(d, (1000 + i, 1000 + i))
+    (tmp_path / "xla").mkdir()  # a folder that is not a key (a shared cache folder): never pruned
+    os.utime(tmp_path / "xla", (1, 1))
     cache = step_cache.StepCache(tmp_path, "what", ())
     cache.dir.mkdir()
     cache._prune()
     kept = sorted(p.name for p in tmp_path.iterdir())
-    assert cache.dir.name in kept and len(kept) == step_cache.KEEP
-    assert "key00" not in kept and f"key{step_cache.KEEP + 2:02d}" in kept
+    assert cache.dir.name in kept and "xla" in kept and len(kept) == step_cache.KEEP + 1
+    assert key(0) not in kept and key(step_cache.KEEP + 2) in kept
 
 
 def test_off_by_default_with_the_compilation_cache_off(monkeypatch, tmp_path):

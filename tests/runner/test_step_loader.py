@@ -44,21 +44,38 @@ def test_a_failed_load_raises_where_it_is_asked_for():
 
 
 def test_close_drops_what_has_not_started():
-    gate, ran = threading.Event(), []
+    started, gate, ran = threading.Event(), threading.Event(), []
 
     def job(t):
         def run():
             if t == 1:
+                started.set()
                 gate.wait(5)
             ran.append(t)
             return t
         return run
 
     loader = StepLoader({t: job(t) for t in (1, 2, 3)}, workers=1)
+    assert started.wait(5)
     threading.Timer(0.2, gate.set).start()
     loader.close()  # waits for bucket 1 (running), drops 2 and 3
     assert ran == [1]
     assert loader.get(3) == 3 and ran == [1, 3]  # (a dropped bucket still loads when asked for)
+
+
+def test_an_interrupted_load_starts_again_when_asked_for():
+    calls = []
+
+    def job():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return "step"
+
+    loader = StepLoader({1: job}, workers=0)
+    with pytest.raises(KeyboardInterrupt):
+        loader.get(1)
+    assert loader.get(1) == "step" and len(calls) == 2
 
 
 def test_compile_guard_counts_only_its_own_thread():
