@@ -59,6 +59,12 @@ def _serve(ns: argparse.Namespace) -> None:
     serve_main(ns)
 
 
+def _serve_disagg(ns: argparse.Namespace) -> None:
+    from server.disagg_proxy import main as proxy_main
+
+    proxy_main(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import functional as functional_bench
     from jaxpaged.bench import host as host_bench
@@ -102,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
                      "go to restored_outputs.jsonl in it) (default: none)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
+
+    dg = sub.add_parser("serve-disagg", help="one OpenAI endpoint in front of prefill and decode instances "
+                                             "(prefill/decode disaggregation; see server/disagg_proxy.py)")
+    dg.add_argument("--prefill", required=True, metavar="URL[,URL]",
+                    help="base URLs of `jaxpaged serve --kv-role producer` instances")
+    dg.add_argument("--decode", required=True, metavar="URL[,URL]",
+                    help="base URLs of `jaxpaged serve --kv-role consumer` instances (sharing --kv-offload-dir)")
+    dg.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    dg.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    dg.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take upstream "
+                                                                 "(default: %(default)s)")
+    dg.set_defaults(func=_serve_disagg)
 
     cv = sub.add_parser("convert", help="save a model as the engine's parameter tree (orbax) for fast starts; "
                                         "--model OUT then loads it")

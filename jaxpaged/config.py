@@ -76,6 +76,13 @@ class CacheConfig:
     offload_dir: str | None = None
     offload_disk_bytes: int = 0
     offload_identity: str = ""
+    # prefill/decode disaggregation: producer|consumer|both or None. A producer writes a finished request's full
+    # blocks to the offload tiers at once (a decode instance sharing the folder loads them), not only when evicted
+    kv_role: str | None = None
+
+    @property
+    def export_finished_blocks(self) -> bool:
+        return self.kv_role in ("producer", "both")
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,7 @@ LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "hybrid")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_ROLES = ("producer", "consumer", "both")
 
 
 @dataclass
@@ -276,6 +284,11 @@ class EngineArgs:
                                              "tier; it outlives the engine (a persistent prefix cache) and may be "
                                              "shared by engines of the same model")
     kv_offload_disk_gb: float = _flag(16.0, "GiB of files this engine keeps in --kv-offload-dir")
+    kv_role: str | None = _flag(
+        None, "producer|consumer|both: prefill/decode disaggregation (vLLM's kv_transfer_config roles): a producer "
+              "writes each finished request's KV blocks to --kv-offload-dir before answering (a prefill instance); a "
+              "consumer loads a prompt's blocks from there (a decode instance); both does both. The instances share "
+              "the folder (one host; on /dev/shm it stays in memory); see `jaxpaged serve-disagg`")
     tensor_parallel_size: int = _flag(1, "devices to split the model over (Megatron-style: attention heads, MLP width "
                                          "and vocabulary; KV heads replicated where fewer than devices)")
     data_parallel_size: int = _flag(1, "engine replicas, each on its own tensor_parallel_size devices with its own KV "
@@ -323,6 +336,11 @@ class EngineArgs:
         if (self.kv_offload_host_gb or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise ValueError("kv_offload_host_gb / kv_offload_dir need enable_prefix_caching (the tiers are keyed "
                              "by the prefix cache's block hashes)")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}")
+        if self.kv_role is not None and not self.kv_offload_dir:
+            raise ValueError(f"kv_role={self.kv_role!r} needs kv_offload_dir: the folder the instances move KV "
+                             "blocks through")
         if self.kv_offload_dir is not None and not self.kv_offload_disk_gb > 0:
             raise ValueError(f"kv_offload_disk_gb must be > 0 with kv_offload_dir, got {self.kv_offload_disk_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -131,6 +131,15 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": state.engine.tokenizer.decode(ids)})
 
 
+async def kv_transfer(request: web.Request) -> web.Response:
+    """What `jaxpaged serve-disagg` checks before it connects instances: this one's KV role, the folder blocks
+    move through, and the identity (model, dtypes, block size) the blocks carry."""
+    state: ServerState = request.app[STATE]
+    cc = state.engine.engine.config.cache_config
+    return web.json_response({"kv_role": cc.kv_role, "kv_dir": cc.offload_dir, "identity": cc.offload_identity,
+                              "block_size": cc.block_size})
+
+
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
                tenants: list[Tenant] | None = None) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
@@ -145,4 +154,5 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
+    app.router.add_get("/kv_transfer", kv_transfer)
     return app

@@ -28,14 +28,16 @@ class KVCacheManager:
     request to the host blocks that hold them while it waits."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0, offload: KVOffload | None = None):
+                 num_host_blocks: int = 0, offload: KVOffload | None = None, export_finished: bool = False):
         """offload: host/disk tiers behind the prefix cache (evicted cached blocks go there; lookups that miss
-        on the device continue there)."""
+        on the device continue there). export_finished: a finished request's full blocks go there at once too
+        (a prefill instance of prefill/decode disaggregation: its decode instance loads them)."""
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.offload = offload if enable_prefix_caching else None
+        self.export_finished = export_finished and self.offload is not None
         self.pool = BlockPool(num_blocks, on_evict=self.offload.on_evict if self.offload is not None else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -214,6 +216,10 @@ class KVCacheManager:
         self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_num_cached.pop(request.request_id, None)
+        if self.export_finished and request.status.finished:
+            for block in blocks:  # (full and computed: cached under their hash; an evicted one is already out)
+                if block.block_hash is not None:
+                    self.offload.on_evict(block.block_id, block.block_hash, block.block_tokens)
         self.pool.free_blocks(reversed(blocks))
         if request.finished:
             self.req_to_hashes.pop(request.request_id, None)

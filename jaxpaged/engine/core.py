@@ -60,7 +60,8 @@ class EngineCore:
         self.offload = KVOffload.for_engine(config) if cc.offload_host_blocks and not stub else None
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size,
                                                enable_prefix_caching=cc.enable_prefix_caching,
-                                               num_host_blocks=cc.num_host_blocks, offload=self.offload)
+                                               num_host_blocks=cc.num_host_blocks, offload=self.offload,
+                                               export_finished=cc.export_finished_blocks)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload,
                                   draft_model=draft_model, kv_pool=kv_pool)
@@ -177,6 +178,8 @@ class EngineCore:
             if req.grammar_matcher is not None and not req.status.finished:
                 self._advance_grammar(req, token)
         stats.num_generation_tokens = len(advanced)
+        if self.kv_cache_manager.export_finished and self.offload.stores:
+            self._export_finished_blocks()
         if self.speculative is not None:
             self._propose_drafts()
         if result.accepted is None:
@@ -184,6 +187,16 @@ class EngineCore:
         self._count_speculation(out, result.accepted, stats)
         last = {id(req): n for n, (_, req, _) in enumerate(advanced)}  # only a request's last token ends it
         return [(req, token, req.status.finished and last[id(req)] == n) for n, (_, req, token) in enumerate(advanced)]
+
+    def _export_finished_blocks(self) -> None:
+        """Prefill/decode disaggregation, the producer: the blocks of the requests this step finished go to the
+        offload tiers now, and their files are written before the outputs are handed back (so the decode
+        instance the proxy sends the request to next finds them). Their device blocks stay cached: the next
+        schedule may hand them out again, but only after this copy has read them."""
+        stores, loads = self.offload.take()
+        assert not loads, "loads are taken by the schedule that makes them"
+        self.runner.store_blocks(stores)
+        self.offload.flush()
 
     def _count_speculation(self, out: SchedulerOutput, accepted: dict[int, list[int]], stats: StepStats) -> None:
         per_pos = [0] * self.speculative.num_speculative_tokens

@@ -219,6 +219,7 @@ class LLMEngine:
             cache_config=CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=args.resolved_kv_dtype(),
                                      enable_prefix_caching=args.enable_prefix_caching,
                                      num_host_blocks=num_host_blocks(args, model_config, args.block_size),
+                                     kv_role=args.kv_role,
                                      **offload_settings(args, model_config, sched.max_model_len)),
             scheduler_config=sched,
             seed=args.seed,

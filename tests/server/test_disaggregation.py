@@ -1,0 +1,213 @@
+"""Prefill/decode disaggregation behind `jaxpaged serve-disagg` (server/disagg_proxy.py): a producer and a
+consumer server sharing a KV folder, the proxy in front; greedy outputs equal one server's (completions and chat,
+streamed and not, a prompt longer than a step's chunk, n>1), the consumer loads the prompt blocks instead of
+computing them, a dead prefill instance is skipped or answered with a 502, and mismatched instances are refused
+before serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import numpy as np
+import pytest
+import requests
+from aiohttp import web
+
+from server.disagg_proxy import DisaggProxy, create_proxy_app, prefill_body, uses_prefix_cache
+from tests.server.conftest import API_KEY, serving
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = np.random.default_rng(7).integers(3, 250, size=170).tolist()  # > max_num_batched_tokens (128): chunked
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppThread:
+    """An aiohttp app on a loopback port, in a background thread."""
+
+    def __init__(self, app: web.Application):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.runner = web.AppRunner(app, handler_cancellation=True)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(30)
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def stop(self):
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    """(plain server, producer, consumer, proxy over them)."""
+    path, folder = tiny_model_dir("llama"), str(tmp_path_factory.mktemp("kv"))
+    with serving(path) as plain, serving(path, kv_role="producer", kv_offload_dir=folder) as producer, \
+            serving(path, kv_role="consumer", kv_offload_dir=folder) as consumer:
+        proxy = DisaggProxy([producer.base_url], [consumer.base_url])
+        front = AppThread(create_proxy_app(proxy))
+        try:
+            front.call(proxy.check())
+            yield plain, producer, consumer, front
+        finally:
+            front.stop()
+
+
+def post(base_url: str, route: str, body: dict) -> requests.Response:
+    return requests.post(f"{base_url}/v1/{route}", json=body, headers=HEADERS, timeout=120)
+
+
+def streamed_text(resp: requests.Response) -> list[str]:
+    """Each choice's text from an SSE stream (choices in index order)."""
+    texts: dict[int, str] = {}
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or c.get("delta", {}).get("content")
+                                                                 or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+def texts(resp: requests.Response) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    return [c.get("text", c.get("message", {}).get("content")) for c in resp.json()["choices"]]
+
+
+def kv_stats(server) -> dict:
+    return server.engine.engine.core.offload.stats()
+
+
+def free_blocks_all(server) -> bool:
+    kv = server.engine.engine.core.kv_cache_manager
+    return kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+COMPLETION = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
+CHAT = dict(model="tiny", messages=[{"role": "user", "content": "tell me about paged attention " * 24}],
+            max_tokens=10, temperature=0, ignore_eos=True)
+SAMPLED = dict(model="tiny", prompt=np.random.default_rng(8).integers(3, 250, size=90).tolist(), max_tokens=6,
+               temperature=0.9, seed=11, n=3, ignore_eos=True)
+
+
+@pytest.mark.parametrize("route, body", [("completions", COMPLETION), ("chat/completions", CHAT),
+                                         ("completions", SAMPLED)], ids=["completion", "chat", "n3-seeded"])
+def test_same_outputs_as_one_server_with_blocks_moved(cluster, route, body):
+    plain, producer, consumer, front = cluster
+    expected = texts(post(plain.base_url, route, body))
+    hits = kv_stats(consumer)["disk_hit_blocks"]
+    resp = post(front.base_url, route, body)
+    assert texts(resp) == expected
+    prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens > 64  # (several blocks)
+    # every full block of the prompt came from the producer (only the block holding its last token is computed)
+    assert kv_stats(consumer)["disk_hit_blocks"] - hits == (prompt_tokens - 1) // 16
+    with requests.post(f"{front.base_url}/v1/{route}", json={**body, "stream": True}, headers=HEADERS,
+                       stream=True, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        assert streamed_text(resp) == expected
+    assert free_blocks_all(producer) and free_blocks_all(consumer)
+
+
+def test_bad_input_is_refused_by_the_prefill_instance(cluster):
+    _, producer, consumer, front = cluster
+    before = consumer.engine.engine.stats.num_prompt_tokens
+    resp = post(front.base_url, "completions", {**COMPLETION, "temperature": -1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
+    resp = requests.post(f"{front.base_url}/v1/completions", data=b"{not json", headers=HEADERS, timeout=30)
+    assert resp.status_code == 400 and "error" in resp.json()
+    assert consumer.engine.engine.stats.num_prompt_tokens == before
+
+
+def test_a_dead_prefill_instance_is_skipped_or_a_502(cluster):
+    plain, producer, consumer, _ = cluster
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = DisaggProxy([dead, producer.base_url], [consumer.base_url])
+    front = AppThread(create_proxy_app(proxy))
+    try:
+        assert texts(post(front.base_url, "completions", COMPLETION)) == texts(post(plain.base_url, "completions",
+                                                                                    COMPLETION))
+        assert proxy.num_prefill_failures == 1
+    finally:
+        front.stop()
+    proxy = DisaggProxy([dead], [consumer.base_url])
+    front = AppThread(create_proxy_app(proxy))
+    try:
+        resp = post(front.base_url, "completions", COMPLETION)
+        assert resp.status_code == 502 and "no prefill instance" in resp.json()["error"]["message"]
+    finally:
+        front.stop()
+    proxy = DisaggProxy([producer.base_url], [dead])
+    front = AppThread(create_proxy_app(proxy))
+    try:
+        resp = post(front.base_url, "completions", COMPLETION)
+        assert resp.status_code == 502 and "no decode instance" in resp.json()["error"]["message"]
+    finally:
+        front.stop()
+    assert free_blocks_all(producer) and free_blocks_all(consumer)
+
+
+def fake_instance(info: dict) -> AppThread:
+    """A server answering only /kv_transfer, with `info`."""
+    async def kv_transfer(request):
+        return web.json_response(info)
+
+    app = web.Application()
+    app.router.add_get("/kv_transfer", kv_transfer)
+    return AppThread(app)
+
+
+def test_mismatched_instances_are_refused_at_start(cluster):
+    _, producer, consumer, _ = cluster
+    info = requests.get(f"{producer.base_url}/kv_transfer", timeout=10).json()
+    assert info["kv_role"] == "producer" and info["identity"]
+
+    def check(prefill: list[str], decode: list[str]):
+        proxy = DisaggProxy(prefill, decode)
+        runner = AppThread(web.Application())  # (a loop to run the check on)
+        try:
+            runner.call(proxy.start())
+            return runner.call(proxy.check())
+        finally:
+            runner.call(proxy.close())
+            runner.stop()
+
+    assert check([producer.base_url], [consumer.base_url])["kv_dir"] == info["kv_dir"]
+    with pytest.raises(ValueError, match="kv_role='consumer'"):
+        check([consumer.base_url], [consumer.base_url])
+    for field, value in (("identity", "another model"), ("kv_dir", "/elsewhere")):
+        other = fake_instance({**info, "kv_role": "consumer", field: value})
+        try:
+            with pytest.raises(ValueError, match=field):
+                check([producer.base_url], [other.base_url])
+        finally:
+            other.stop()
+
+
+def test_prefill_request_is_one_token_of_the_same_prompt():
+    body = {**SAMPLED, "prompt": [1, 2], "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": 99, "logprobs": 2, "stop": ["x"]}
+    assert prefill_body(body) == {"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "temperature": 0.9,
+                                  "ignore_eos": True}
+    assert uses_prefix_cache(COMPLETION) and not uses_prefix_cache({**COMPLETION, "presence_penalty": 0.5})
+    assert not uses_prefix_cache({**COMPLETION, "prompt_logprobs": 1})
