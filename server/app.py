@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -10,6 +11,7 @@ from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
 from jaxpaged.tenants import Tenant
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.kv_transfer import folder_id, serve_block
 from server.protocol import APIError, get_field, now
 from server.state import SSE, STATE, TENANT, ServerState
 
@@ -136,8 +138,9 @@ async def kv_transfer(request: web.Request) -> web.Response:
     move through, and the identity (model, dtypes, block size) the blocks carry."""
     state: ServerState = request.app[STATE]
     cc = state.engine.engine.config.cache_config
-    return web.json_response({"kv_role": cc.kv_role, "kv_dir": cc.offload_dir, "identity": cc.offload_identity,
-                              "block_size": cc.block_size})
+    folder = await asyncio.to_thread(folder_id, cc.offload_dir) if cc.offload_dir else None
+    return web.json_response({"kv_role": cc.kv_role, "kv_dir": cc.offload_dir, "kv_folder_id": folder,
+                              "identity": cc.offload_identity, "block_size": cc.block_size})
 
 
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
@@ -155,4 +158,5 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/kv_transfer", kv_transfer)
+    app.router.add_get("/v1/kv_blocks/{hash}", serve_block)
     return app

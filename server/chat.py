@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
     Usage,
@@ -53,6 +54,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
     state.check_length(len(prompt), params.max_tokens, where="messages")
+    if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
+        await pull_blocks(state, request, source, [prompt])
     if params.max_tokens is None:
         params.max_tokens = state.max_model_len - len(prompt)
     rid, created = new_id("chatcmpl"), now()

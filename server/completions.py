@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
     Usage,
@@ -81,6 +82,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = parse_prompts(body, tok)
     for p in prompts:
         state.check_length(len(p.token_ids), params.max_tokens, where="prompt")
+    if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
+        await pull_blocks(state, request, source, [p.token_ids for p in prompts])
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))

@@ -1,18 +1,20 @@
 """`jaxpaged serve-disagg`: one OpenAI-compatible endpoint in front of prefill and decode instances.
 
 Each completion or chat request goes first to a prefill instance (`jaxpaged serve --kv-role producer`) as the same
-request cut to one token, not streamed: that instance computes the prompt, writes its full KV blocks to the
-folder the instances share and answers once they are written. Then the request goes unchanged to a decode
-instance (`--kv-role consumer`), whose prefix lookup finds those blocks in the folder (the prefix cache's block
-hashes name them: a prefix it already holds is not loaded again) and which streams the completion back through
-this proxy. Only the prompt's last partial block is recomputed there.
+request cut to one token, not streamed: that instance computes the prompt, writes its full KV blocks to its
+folder and answers once they are written. Then the request goes to a decode instance (`--kv-role consumer`). If
+the two see the same folder (one host, or a shared file system: each folder carries a random id, compared at
+start), its prefix lookup finds the blocks there by the prefix cache's block hashes; otherwise the request
+carries `"kv_transfer_params": {"source": PREFILL_URL}` and the decode instance first pulls the blocks it lacks
+over HTTP (server/kv_transfer.py). Either way only the prompt's last partial block is computed again there, and
+the completion streams back through this proxy.
 
 Instances are tried round-robin. A prefill instance that cannot be reached or fails (5xx) is skipped for the
 next one; if none answers, the client gets a 502 in OpenAI's error format. A client error (4xx) from the prefill
 instance is the client's answer at once (bad input is refused before any decode). A decode instance that cannot
 be reached is skipped the same way, before anything was streamed. A client that disconnects closes the upstream
 connection, which aborts the request there. Before serving, every instance is asked for its KV role, folder and
-block identity (`GET /kv_transfer`): mismatched models, dtypes, block sizes or folders are refused at start.
+block identity (`GET /kv_transfer`): wrong roles and mismatched models, dtypes or block sizes are refused.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class DisaggProxy:
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
         self.session: aiohttp.ClientSession | None = None
         self.num_prefill_failures = 0
+        self.info: dict[str, dict] = {}  # each instance's /kv_transfer answer (from `check`)
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout, auto_decompress=False)
@@ -84,6 +87,7 @@ class DisaggProxy:
                 raise ValueError(f"cannot reach {url}: {e}") from None
 
         infos = await asyncio.gather(*(info(u) for u in self.prefill + self.decode))
+        self.info = dict(zip(self.prefill + self.decode, infos))
         roles = {"prefill": ("producer", "both"), "decode": ("consumer", "both")}
         for kind, urls, got in (("prefill", self.prefill, infos[: len(self.prefill)]),
                                 ("decode", self.decode, infos[len(self.prefill):])):
@@ -93,18 +97,25 @@ class DisaggProxy:
                                      f"start it with --kv-role {' or '.join(roles[kind])}")
         first = infos[0]
         for url, i in zip(self.prefill + self.decode, infos):
-            for key, what in (("identity", "model, dtypes or block size"), ("kv_dir", "--kv-offload-dir")):
-                if i.get(key) != first.get(key):
-                    raise ValueError(f"{url} and {self.prefill[0]} differ in {what} ({key} {i.get(key)!r} vs "
-                                     f"{first.get(key)!r}): their KV blocks cannot move between them")
+            if i.get("identity") != first.get("identity"):
+                raise ValueError(f"{url} and {self.prefill[0]} differ in model, dtypes or block size (identity "
+                                 f"{i.get('identity')!r} vs {first.get('identity')!r}): their KV blocks cannot "
+                                 "move between them")
         return first
+
+    def _shares_folder(self, prefill: str, decode: str) -> bool:
+        """Whether two instances move blocks through one folder (else the decode instance pulls them over
+        HTTP); assumed when `check` has not run."""
+        a, b = self.info.get(prefill), self.info.get(decode)
+        return a is None or b is None or a.get("kv_folder_id") == b.get("kv_folder_id")
 
     def _headers(self, request: web.Request) -> dict:
         keep = ("authorization", "content-type", "x-request-id")
         return {k: v for k, v in request.headers.items() if k.lower() in keep}
 
-    async def _prefill(self, request: web.Request, body: dict) -> web.Response | None:
-        """Run the prompt on a prefill instance; None when done, else the response the client gets instead."""
+    async def _prefill(self, request: web.Request, body: dict) -> tuple[web.Response | None, str | None]:
+        """Run the prompt on a prefill instance: (None, its URL) when done, else (the response the client gets
+        instead, None)."""
         data = json.dumps(prefill_body(body))
         failures = []
         for _ in range(len(self.prefill)):
@@ -114,15 +125,15 @@ class DisaggProxy:
                                              headers=self._headers(request)) as resp:
                     payload = await resp.read()
                     if resp.status < 400:
-                        return None
+                        return None, url
                     if resp.status < 500:  # the client's error: the same request would fail everywhere
-                        return web.Response(status=resp.status, body=payload, content_type="application/json")
+                        return web.Response(status=resp.status, body=payload, content_type="application/json"), None
                     failures.append(f"{url}: {resp.status}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 failures.append(f"{url}: {type(e).__name__}: {e}")
             self.num_prefill_failures += 1
             logger.warning("prefill instance failed (%s); trying the next one", failures[-1])
-        return _error(502, "no prefill instance could compute the prompt: " + "; ".join(failures))
+        return _error(502, "no prefill instance could compute the prompt: " + "; ".join(failures)), None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """A completion or chat request: prefill, then decode, streamed through."""
@@ -131,24 +142,30 @@ class DisaggProxy:
             body = json.loads(raw)
         except ValueError:
             body = None
+        source = None
         if isinstance(body, dict) and uses_prefix_cache(body):  # (else the decode instance answers alone)
-            refused = await self._prefill(request, body)
+            refused, source = await self._prefill(request, body)
             if refused is not None:
                 return refused
-        return await self._forward(request, raw)
+        return await self._forward(request, raw, body if source else None, source)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other route: answered by a decode instance."""
         return await self._forward(request, await request.read())
 
-    async def _forward(self, request: web.Request, raw: bytes) -> web.StreamResponse:
-        """Send the request to a decode instance (the next one if it cannot be reached) and stream its answer."""
+    async def _forward(self, request: web.Request, raw: bytes, body: dict | None = None,
+                       source: str | None = None) -> web.StreamResponse:
+        """Send the request to a decode instance (the next one if it cannot be reached) and stream its answer;
+        one that does not share the prefill instance `source`'s folder is told to pull the blocks from it."""
         failures = []
         for _ in range(len(self.decode)):
             url = self.decode[next(self._next_decode)]
+            data = raw
+            if source is not None and not self._shares_folder(source, url):
+                data = json.dumps({**body, "kv_transfer_params": {"source": source}}).encode()
             out = None
             try:
-                async with self.session.request(request.method, f"{url}{request.path_qs}", data=raw or None,
+                async with self.session.request(request.method, f"{url}{request.path_qs}", data=data or None,
                                                 headers=self._headers(request)) as resp:
                     out = web.StreamResponse(status=resp.status, headers={
                         k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP})

@@ -91,9 +91,27 @@ def load_prompts(ns, variant: int = 0) -> list[tuple[object, int]]:
     vocab = ns.vocab_size
     reqs = random_token_workload(ns.num_prompts, parse_range(ns.input_len), (out_lo, out_hi), vocab, ns.seed,
                                  set(range(0, FIRST_ID)))
+    if getattr(ns, "long_prompts", None):  # K requests, evenly spread through the run, get a long prompt instead
+        k, length = parse_long_prompts(ns.long_prompts)
+        long_reqs = random_token_workload(k, (length, length), (out_lo, out_hi), vocab, ns.seed + 2,
+                                          set(range(0, FIRST_ID)))
+        for j, r in enumerate(long_reqs[: len(reqs)]):
+            reqs[int((j + 0.5) * len(reqs) / min(k, len(reqs)))] = r
     shift = variant * 7919
     return [([FIRST_ID + (t - FIRST_ID + shift) % (vocab - FIRST_ID) for t in r.prompt_token_ids], r.output_len)
             for r in reqs]
+
+
+def parse_long_prompts(text: str) -> tuple[int, int]:
+    """`K:LEN` -> (K, LEN): K of the requests get prompts of LEN tokens."""
+    k, _, length = str(text).partition(":")
+    try:
+        out = int(k), int(length)
+    except ValueError:
+        out = (0, 0)
+    if out[0] <= 0 or out[1] <= 0:
+        raise SystemExit(f"--long-prompts: {text!r} is not K:LEN with positive K and LEN")
+    return out
 
 
 async def run(ns, request_rate: float, variant: int = 0) -> dict:
@@ -220,11 +238,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles reported for each latency")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must meet to count toward goodput: ttft, tpot, itl (every gap), e2el in ms")
+    p.add_argument("--long-prompts", default=None, metavar="K:LEN",
+                   help="K of the random requests, spread through the run, get prompts of LEN tokens (long prefills "
+                        "arriving while others decode)")
+    p.add_argument("--disagg", action="store_true",
+                   help="start the servers here and compare one engine on every core with a prefill/decode split "
+                        "(half the cores each, behind serve-disagg); see jaxpaged/bench/disagg.py")
+    p.add_argument("--serve-model", default=None, help="with --disagg: the model the servers load (default: the "
+                                                       "default model)")
+    p.add_argument("--serve-args", default="", help="with --disagg: more `jaxpaged serve` flags for every instance")
     p.add_argument("--label", default=None, help="the server's name in the JSON and the sweep table")
     p.add_argument("--output-json", default="bench_results/serve.json")
 
 
 def main(ns: argparse.Namespace) -> dict:
+    if getattr(ns, "disagg", False):
+        from jaxpaged.bench import disagg
+
+        if "," in str(ns.request_rate):
+            raise SystemExit("--disagg runs one request rate")
+        if ns.long_prompts:
+            parse_long_prompts(ns.long_prompts)
+        return disagg.main(ns)
     if ns.model is None:
         import urllib.request
 

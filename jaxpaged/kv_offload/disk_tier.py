@@ -135,6 +135,40 @@ class DiskTier:
             return "checksum mismatch"
         return None
 
+    def has_file(self, block_hash: int) -> bool:
+        """Whether the folder holds this block's file (written by this engine or another sharing the folder)."""
+        return block_hash in self or os.path.exists(self.path(block_hash))
+
+    def adopt(self, block_hash: int, tokens: tuple[int, ...], data: bytes) -> bool:
+        """Add a block file received from another instance (its bytes, as `read` expects them), if it passes
+        every check `read` makes; returns whether it was added (a failure is logged)."""
+        if not self.enabled:
+            return False
+        path = self.path(block_hash)
+        tmp = f"{path}.{os.getpid()}.{next(_tmp_ids)}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            with safe_open(tmp, framework="numpy") as f:
+                problem = self._check(f.metadata() or {}, f.get_tensor("kv"), f.get_tensor("tokens"), tokens)
+            if problem is None:
+                os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - a truncated or garbled file: safetensors' own errors, numpy's
+            problem = f"unreadable ({type(e).__name__}: {e})"
+        if problem is not None:
+            logger.warning("KV disk tier: refusing a received block %016x: %s", block_hash, problem)
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            return False
+        with self._lock:
+            if block_hash not in self.index:
+                self.index[block_hash] = len(data)
+                self.num_bytes += len(data)
+        self._evict_over_budget()
+        return True
+
     def write(self, block_hash: int, tokens: tuple[int, ...], kv: np.ndarray) -> None:
         """Queue a block for writing (a copy of `kv` [L, 2, block_size, KH, D]); blocks already here are skipped."""
         if not self.enabled or block_hash in self:
@@ -176,6 +210,11 @@ class DiskTier:
             self.index[block_hash] = size
             self.num_bytes += size
             self.num_bytes_written += raw.nbytes
+        self._evict_over_budget()
+
+    def _evict_over_budget(self) -> None:
+        """Remove the least recently used files while the folder holds more than the budget."""
+        with self._lock:
             victims = []
             while self.num_bytes > self.capacity_bytes and len(self.index) > 1:
                 h, s = self.index.popitem(last=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jaxpaged.cli import build_parser
 from tests.server.conftest import API_KEY
 
@@ -31,3 +33,16 @@ def test_bench_serve_sweep_with_goodput(live_server, tmp_path):
     ns.func(ns)
     single = json.loads(out.read_text())
     assert single["percent_meeting_slos"] == 100.0 and single["request_goodput"] > 0
+
+
+def test_long_prompts_are_spread_through_the_workload():
+    from jaxpaged.bench.serve import load_prompts
+
+    ns = build_parser().parse_args(["bench", "serve", "--num-prompts", "12", "--input-len", "4:16", "--output-len",
+                                    "5", "--vocab-size", "256", "--long-prompts", "3:100"])
+    lengths = [len(p) for p, _ in load_prompts(ns)]
+    assert [i for i, n in enumerate(lengths) if n == 100] == [2, 6, 10]
+    assert all(4 <= n <= 16 for i, n in enumerate(lengths) if i not in (2, 6, 10))
+    ns.long_prompts = "3:x"
+    with pytest.raises(SystemExit, match="--long-prompts"):
+        load_prompts(ns)

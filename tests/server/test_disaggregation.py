@@ -61,7 +61,7 @@ class AppThread:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    """(plain server, producer, consumer, proxy over them)."""
+    """(plain server, producer, consumer, proxy over them); the consumer shares the producer's folder."""
     path, folder = tiny_model_dir("llama"), str(tmp_path_factory.mktemp("kv"))
     with serving(path) as plain, serving(path, kv_role="producer", kv_offload_dir=folder) as producer, \
             serving(path, kv_role="consumer", kv_offload_dir=folder) as consumer:
@@ -70,6 +70,20 @@ def cluster(tiny_model_dir, tmp_path_factory):
         try:
             front.call(proxy.check())
             yield plain, producer, consumer, front
+        finally:
+            front.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(cluster, tiny_model_dir, tmp_path_factory):
+    """A consumer with a folder of its own (as on another host) and a proxy in front of it and the producer."""
+    folder = tmp_path_factory.mktemp("remote-kv")
+    with serving(tiny_model_dir("llama"), kv_role="consumer", kv_offload_dir=str(folder)) as server:
+        proxy = DisaggProxy([cluster[1].base_url], [server.base_url])
+        front = AppThread(create_proxy_app(proxy))
+        try:
+            front.call(proxy.check())
+            yield server, folder, proxy, front
         finally:
             front.stop()
 
@@ -168,17 +182,56 @@ def test_a_dead_prefill_instance_is_skipped_or_a_502(cluster):
 
 
 def fake_instance(info: dict) -> AppThread:
-    """A server answering only /kv_transfer, with `info`."""
+    """A server answering /kv_transfer with `info`, and every block with garbage."""
     async def kv_transfer(request):
         return web.json_response(info)
 
+    async def block(request):
+        return web.Response(body=b"not a block")
+
     app = web.Application()
     app.router.add_get("/kv_transfer", kv_transfer)
+    app.router.add_get("/v1/kv_blocks/{hash}", block)
     return AppThread(app)
 
 
+def test_a_consumer_on_another_host_pulls_the_blocks_over_http(cluster, remote):
+    plain, producer, _, _ = cluster
+    server, folder, proxy, front = remote
+    assert not proxy._shares_folder(producer.base_url, server.base_url)  # (each folder has its own id)
+    body = {**COMPLETION, "prompt": np.random.default_rng(9).integers(3, 250, size=120).tolist()}
+    expected = texts(post(plain.base_url, "completions", body))
+    resp = post(front.base_url, "completions", body)
+    assert texts(resp) == expected
+    moved = (resp.json()["usage"]["prompt_tokens"] - 1) // 16
+    assert kv_stats(server)["disk_hit_blocks"] == moved == len(list(folder.rglob("*.kvblock")))
+    with requests.post(f"{front.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, headers=HEADERS,
+                       stream=True, timeout=120) as resp:
+        assert streamed_text(resp) == texts(post(plain.base_url, "chat/completions", CHAT))
+    assert kv_stats(server)["disk_hit_blocks"] > moved
+    assert free_blocks_all(producer) and free_blocks_all(server)
+
+
+def test_a_bad_block_from_the_source_is_refused_and_computed(cluster, remote, caplog):
+    plain = cluster[0]
+    server, folder, _, _ = remote
+    fake = fake_instance({})
+    try:
+        body = {**COMPLETION, "prompt": np.random.default_rng(10).integers(3, 250, size=40).tolist()}
+        files = len(list(folder.rglob("*.kvblock")))
+        resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": fake.base_url}})
+        assert texts(resp) == texts(post(plain.base_url, "completions", body))
+        assert len(list(folder.rglob("*.kvblock"))) == files  # (both blocks refused)
+    finally:
+        fake.stop()
+    resp = post(cluster[1].base_url, "completions", {**body, "kv_transfer_params": {"source": fake.base_url}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"  # (not a consumer)
+    resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": 3}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
+
+
 def test_mismatched_instances_are_refused_at_start(cluster):
-    _, producer, consumer, _ = cluster
+    plain, producer, consumer, _ = cluster
     info = requests.get(f"{producer.base_url}/kv_transfer", timeout=10).json()
     assert info["kv_role"] == "producer" and info["identity"]
 
@@ -195,13 +248,14 @@ def test_mismatched_instances_are_refused_at_start(cluster):
     assert check([producer.base_url], [consumer.base_url])["kv_dir"] == info["kv_dir"]
     with pytest.raises(ValueError, match="kv_role='consumer'"):
         check([consumer.base_url], [consumer.base_url])
-    for field, value in (("identity", "another model"), ("kv_dir", "/elsewhere")):
-        other = fake_instance({**info, "kv_role": "consumer", field: value})
-        try:
-            with pytest.raises(ValueError, match=field):
-                check([producer.base_url], [other.base_url])
-        finally:
-            other.stop()
+    with pytest.raises(ValueError, match="kv_role=None"):
+        check([producer.base_url], [plain.base_url])
+    other = fake_instance({**info, "kv_role": "consumer", "identity": "another model"})
+    try:
+        with pytest.raises(ValueError, match="identity"):
+            check([producer.base_url], [other.base_url])
+    finally:
+        other.stop()
 
 
 def test_prefill_request_is_one_token_of_the_same_prompt():
