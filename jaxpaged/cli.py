@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--snapshot-dir", default=None, help="on SIGTERM, save the requests still running after the "
                      "shutdown timeout to this folder; at start, restore and finish those saved there (their outputs "
                      "go to restored_outputs.jsonl in it) (default: none)")
+    srv.add_argument("--kv-pull-from", default=None, metavar="URL[,URL]",
+                     help="with --kv-role consumer: prefill instances on other hosts this server may pull KV blocks "
+                     "from when a request names one in kv_transfer_params (serve-disagg does) (default: none)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 

@@ -134,21 +134,23 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def kv_transfer(request: web.Request) -> web.Response:
-    """What `jaxpaged serve-disagg` checks before it connects instances: this one's KV role, the folder blocks
-    move through, and the identity (model, dtypes, block size) the blocks carry."""
+    """What `jaxpaged serve-disagg` checks before it connects instances: this one's KV role and, with one, the id
+    of the folder blocks move through and the identity (model, dtypes, block size) the blocks carry."""
     state: ServerState = request.app[STATE]
     cc = state.engine.engine.config.cache_config
-    folder = await asyncio.to_thread(folder_id, cc.offload_dir) if cc.offload_dir else None
-    return web.json_response({"kv_role": cc.kv_role, "kv_dir": cc.offload_dir, "kv_folder_id": folder,
-                              "identity": cc.offload_identity, "block_size": cc.block_size})
+    if cc.kv_role is None:
+        return web.json_response({"kv_role": None})
+    folder = await asyncio.to_thread(folder_id, cc.offload_dir)
+    return web.json_response({"kv_role": cc.kv_role, "kv_folder_id": folder, "identity": cc.offload_identity,
+                              "block_size": cc.block_size})
 
 
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
-               tenants: list[Tenant] | None = None) -> web.Application:
+               tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
     tenant's limits (jaxpaged/tenants.py); `api_key` is then also accepted, without limits."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(engine, model_name, api_key, tenants)
+    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)
@@ -158,5 +160,6 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/kv_transfer", kv_transfer)
-    app.router.add_get("/v1/kv_blocks/{hash}", serve_block)
+    if engine.engine.config.cache_config.kv_role in ("producer", "both"):
+        app.router.add_get("/v1/kv_blocks/{hash}", serve_block)
     return app

@@ -62,7 +62,7 @@ class DisaggProxy:
         self.decode = [u.rstrip("/") for u in decode]
         self._next_prefill = itertools.cycle(range(len(self.prefill)))
         self._next_decode = itertools.cycle(range(len(self.decode)))
-        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout)  # (streams run long)
         self.session: aiohttp.ClientSession | None = None
         self.num_prefill_failures = 0
         self.info: dict[str, dict] = {}  # each instance's /kv_transfer answer (from `check`)
@@ -111,7 +111,7 @@ class DisaggProxy:
 
     def _headers(self, request: web.Request) -> dict:
         keep = ("authorization", "content-type", "x-request-id")
-        return {k: v for k, v in request.headers.items() if k.lower() in keep}
+        return {**{k: v for k, v in request.headers.items() if k.lower() in keep}, "Accept-Encoding": "identity"}
 
     async def _prefill(self, request: web.Request, body: dict) -> tuple[web.Response | None, str | None]:
         """Run the prompt on a prefill instance: (None, its URL) when done, else (the response the client gets
@@ -143,6 +143,9 @@ class DisaggProxy:
         except ValueError:
             body = None
         source = None
+        if isinstance(body, dict) and "kv_transfer_params" in body:  # (only this proxy says where blocks come from)
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            raw = json.dumps(body).encode()
         if isinstance(body, dict) and uses_prefix_cache(body):  # (else the decode instance answers alone)
             refused, source = await self._prefill(request, body)
             if refused is not None:
@@ -186,7 +189,9 @@ def uses_prefix_cache(body: dict) -> bool:
     """Whether the decode instance would use the prompt's blocks: requests with penalties or prompt logprobs
     build their state from the tokens they are fed, so they compute their whole prompt anyway (no prefill)."""
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
-    return all(body.get(k) in (None, v) for k, v in neutral.items()) and body.get("prompt_logprobs") is None
+    echoed_logprobs = body.get("echo") is True and body.get("logprobs") not in (None, False)  # (prompt logprobs)
+    return (all(body.get(k) in (None, v) for k, v in neutral.items()) and body.get("prompt_logprobs") is None
+            and not echoed_logprobs)
 
 
 def create_proxy_app(proxy: DisaggProxy) -> web.Application:
@@ -214,10 +219,13 @@ async def serve_proxy(proxy: DisaggProxy, host: str, port: int) -> None:
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
-        shared = await proxy.check()
+        await proxy.check()
         await web.TCPSite(runner, host, port).start()
-        logger.info("Serving prefill %s and decode %s on http://%s:%d (KV through %s)", ", ".join(proxy.prefill),
-                    ", ".join(proxy.decode), host, port, shared.get("kv_dir"))
+        remote = sum(not proxy._shares_folder(p, d) for p in proxy.prefill for d in proxy.decode)
+        logger.info("Serving prefill %s and decode %s on http://%s:%d (%s)", ", ".join(proxy.prefill),
+                    ", ".join(proxy.decode), host, port,
+                    "KV through a shared folder" if not remote else f"{remote} prefill/decode pairs pull KV over "
+                    "HTTP: start those decode instances with --kv-pull-from the prefill URLs")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -38,13 +38,16 @@ def folder_id(folder: str) -> str:
 
     path = os.path.join(folder, FOLDER_ID)
     os.makedirs(folder, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        with open(path) as f:
-            return f.read().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex)
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}"
+        with open(tmp, "w") as f:
+            f.write(uuid.uuid4().hex)
+        try:
+            os.link(tmp, path)  # (atomic, and never replaces another instance's id)
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
     with open(path) as f:
         return f.read().strip()
 
@@ -90,20 +93,22 @@ def prompt_blocks(token_ids: list[int], block_size: int) -> list[tuple[int, tupl
 
 
 def transfer_source(body: dict, state) -> str | None:
-    """The URL in a request's `kv_transfer_params`, checked (a 400 naming the field when malformed or when this
-    instance is not a consumer); None without one."""
+    """The prefill instance named in a request's `kv_transfer_params` to pull its blocks from, or None. Only a
+    consumer reads the field (others ignore it, as vLLM does), and only a source it was told to trust
+    (`jaxpaged serve --kv-pull-from`): anything else is a 400 naming the field."""
     params = body.get("kv_transfer_params")
-    if params is None:
+    if params is None or state.engine.engine.config.cache_config.kv_role not in ("consumer", "both"):
         return None
     source = params.get("source") if isinstance(params, dict) else None
-    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+    if not isinstance(source, str):
         raise APIError("kv_transfer_params must be {\"source\": \"http://HOST:PORT\"} (the prefill instance)",
                        param="kv_transfer_params")
-    role = state.engine.engine.config.cache_config.kv_role
-    if role not in ("consumer", "both") or _disk(state) is None:
-        raise APIError(f"kv_transfer_params: this server's kv_role is {role!r}; pulling blocks needs "
-                       "--kv-role consumer (or both) and --kv-offload-dir", param="kv_transfer_params")
-    return source.rstrip("/")
+    source = source.rstrip("/")
+    if source not in state.kv_pull_from:
+        raise APIError(f"kv_transfer_params: this server does not pull KV blocks from {source} (it trusts "
+                       f"{', '.join(state.kv_pull_from) or 'none'}: jaxpaged serve --kv-pull-from)",
+                       param="kv_transfer_params")
+    return source
 
 
 async def pull_blocks(state, request: web.Request, source: str, prompts: list[list[int]]) -> int:
@@ -118,6 +123,8 @@ async def pull_blocks(state, request: web.Request, source: str, prompts: list[li
     if not missing:
         return 0
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    headers["Accept-Encoding"] = "identity"
+    most = disk.block_bytes + (1 << 20)  # (a block file: the block, its tokens and a small header)
     limit = asyncio.Semaphore(MAX_PARALLEL)
     timeout = aiohttp.ClientTimeout(total=120, sock_connect=10)
 
@@ -128,11 +135,16 @@ async def pull_blocks(state, request: web.Request, source: str, prompts: list[li
                     if resp.status != 200:
                         logger.warning("KV pull: %s answered %d for block %016x", source, resp.status, h)
                         return False
-                    data = await resp.read()
+                    data = bytearray()
+                    async for chunk in resp.content.iter_chunked(1 << 16):
+                        data += chunk
+                        if len(data) > most:
+                            logger.warning("KV pull: block %016x from %s is larger than a block file", h, source)
+                            return False
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("KV pull: block %016x from %s failed (%s)", h, source, e)
                 return False
-        return await asyncio.to_thread(disk.adopt, h, tokens, data)
+        return await asyncio.to_thread(disk.adopt, h, tokens, bytes(data))
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         added = await asyncio.gather(*(one(session, h, t) for h, t in missing))

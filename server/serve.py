@@ -51,10 +51,11 @@ RESTORED_OUTPUTS = "restored_outputs.jsonl"
 
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
                 model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
-                tenants: list[Tenant] | None = None) -> None:
+                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None) -> None:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
     timeout), then end the rest (saved in `snapshot_dir` when given)."""
-    app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants)  # (sets the KV shares)
+    app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants,  # (sets the KV shares)
+                     kv_pull_from=kv_pull_from)
     if snapshot_dir is not None:
         engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
     if tenants:
@@ -95,6 +96,7 @@ def main(ns) -> None:
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(args))
         asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
-                          shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants))
+                          shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
+                          kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u]))
     finally:
         sock.close()

@@ -16,8 +16,9 @@ class ServerState:
     """What the handlers share: the engine, the served model's name and limits, the API key."""
 
     def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None,
-                 tenants: list[Tenant] | None = None):
+                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None):
         self.engine = engine
+        self.kv_pull_from = [u.rstrip("/") for u in kv_pull_from or []]  # prefill instances trusted for KV blocks
         cfg = engine.engine.config
         self.model_name = model_name or os.path.basename(cfg.model_config.model.rstrip("/"))
         self.max_model_len = cfg.scheduler_config.max_model_len

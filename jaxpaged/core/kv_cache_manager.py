@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from jaxpaged.core import block_pool
 from jaxpaged.core.block_pool import BlockPool, KVCacheBlock
-from jaxpaged.request import Request
+from jaxpaged.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from jaxpaged.kv_offload import KVOffload
@@ -38,6 +38,7 @@ class KVCacheManager:
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.offload = offload if enable_prefix_caching else None
         self.export_finished = export_finished and self.offload is not None
+        self.exports: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens) not yet exported
         self.pool = BlockPool(num_blocks, on_evict=self.offload.on_evict if self.offload is not None else None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -210,16 +211,21 @@ class KVCacheManager:
         self.host_free.extend(reversed(host))
         return [(h, b.block_id) for h, b in zip(host, blocks)]
 
+    def take_exports(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The finished requests' blocks to export (prefill/decode disaggregation), (block id, hash, tokens):
+        the caller copies them before the next schedule can hand the blocks out again."""
+        out, self.exports = self.exports, []
+        return out
+
     def free(self, request: Request) -> None:
         """Release every block of `request` (device and host), tail first: a prefix's head blocks stay cached
         the longest."""
         self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_num_cached.pop(request.request_id, None)
-        if self.export_finished and request.status.finished:
-            for block in blocks:  # (full and computed: cached under their hash; an evicted one is already out)
-                if block.block_hash is not None:
-                    self.offload.on_evict(block.block_id, block.block_hash, block.block_tokens)
+        if self.export_finished and request.status.finished and request.status != RequestStatus.FINISHED_ABORTED:
+            self.exports.extend((b.block_id, b.block_hash, b.block_tokens)  # (full and computed: cached)
+                                for b in blocks if b.block_hash is not None)
         self.pool.free_blocks(reversed(blocks))
         if request.finished:
             self.req_to_hashes.pop(request.request_id, None)

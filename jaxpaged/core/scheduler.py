@@ -241,6 +241,9 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.kv.exports:  # (requests ended outside a step, e.g. by a stop string: copied first, with the stores)
+            for export in self.kv.take_exports():
+                self.kv.offload.export(*export)
         out = SchedulerOutput(finished_ids=self._finished_ids, fork_copies=self.kv.take_copies())
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens

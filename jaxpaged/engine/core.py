@@ -178,7 +178,7 @@ class EngineCore:
             if req.grammar_matcher is not None and not req.status.finished:
                 self._advance_grammar(req, token)
         stats.num_generation_tokens = len(advanced)
-        if self.kv_cache_manager.export_finished and self.offload.stores:
+        if self.kv_cache_manager.exports:
             self._export_finished_blocks()
         if self.speculative is not None:
             self._propose_drafts()
@@ -190,12 +190,21 @@ class EngineCore:
 
     def _export_finished_blocks(self) -> None:
         """Prefill/decode disaggregation, the producer: the blocks of the requests this step finished go to the
-        offload tiers now, and their files are written before the outputs are handed back (so the decode
-        instance the proxy sends the request to next finds them). Their device blocks stay cached: the next
-        schedule may hand them out again, but only after this copy has read them."""
-        stores, loads = self.offload.take()
-        assert not loads, "loads are taken by the schedule that makes them"
-        self.runner.store_blocks(stores)
+        disk tier now, and are written before the outputs are handed back (so the decode instance the proxy sends
+        the request to next finds them). Their device blocks stay cached: the next schedule may hand them out
+        again, but only after these copies have read them. Copied through host slots, as many at a time as there
+        are slots."""
+        todo = self.kv_cache_manager.take_exports()
+        while todo:
+            left = [e for e in todo if not self.offload.export(*e)]
+            stores, loads = self.offload.take()
+            assert not loads, "loads are taken by the schedule that makes them"
+            if stores:
+                self.runner.store_blocks(stores)
+            if len(left) == len(todo):  # (no slot at all: cannot happen with a disk tier's staging slots)
+                logger.warning("%d finished blocks not exported: no host slot free", len(left))
+                break
+            todo = left
         self.offload.flush()
 
     def _count_speculation(self, out: SchedulerOutput, accepted: dict[int, list[int]], stats: StepStats) -> None:

@@ -135,9 +135,20 @@ class DiskTier:
             return "checksum mismatch"
         return None
 
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def touch(self, block_hash: int) -> None:
+        """Mark a block recently used (the last to go when the budget is exceeded)."""
+        with self._lock:
+            if block_hash in self.index:
+                self.index.move_to_end(block_hash)
+
     def has_file(self, block_hash: int) -> bool:
-        """Whether the folder holds this block's file (written by this engine or another sharing the folder)."""
-        return block_hash in self or os.path.exists(self.path(block_hash))
+        """Whether the folder holds this block's file now (written by this engine or another sharing the folder,
+        and not removed since, e.g. by another engine's budget)."""
+        return os.path.exists(self.path(block_hash))
 
     def adopt(self, block_hash: int, tokens: tuple[int, ...], data: bytes) -> bool:
         """Add a block file received from another instance (its bytes, as `read` expects them), if it passes
@@ -171,7 +182,7 @@ class DiskTier:
 
     def write(self, block_hash: int, tokens: tuple[int, ...], kv: np.ndarray) -> None:
         """Queue a block for writing (a copy of `kv` [L, 2, block_size, KH, D]); blocks already here are skipped."""
-        if not self.enabled or block_hash in self:
+        if not self.enabled or (block_hash in self and self.has_file(block_hash)):
             return
         self._queue.put((block_hash, tokens, np.array(kv, copy=True)))
 
@@ -187,7 +198,7 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, block_hash: int, tokens: tuple[int, ...], kv: np.ndarray) -> None:
-        if block_hash in self:
+        if block_hash in self and self.has_file(block_hash):
             return
         raw = np.ascontiguousarray(kv).view(np.uint8).reshape(-1)
         meta = {"format_version": FORMAT_VERSION, "model_identity": self.identity,
@@ -207,8 +218,9 @@ class DiskTier:
             return
         size = os.path.getsize(path)
         with self._lock:
-            self.index[block_hash] = size
-            self.num_bytes += size
+            if block_hash not in self.index:  # (`read` or `adopt` may have indexed it meanwhile)
+                self.index[block_hash] = size
+                self.num_bytes += size
             self.num_bytes_written += raw.nbytes
         self._evict_over_budget()
 

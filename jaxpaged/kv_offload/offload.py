@@ -62,6 +62,27 @@ class KVOffload:
             self.host.pin(slot)  # (a lookup later in this schedule may load it: keep it until the runner ran)
             self.stores.append((block_id, slot))
 
+    def export(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> bool:
+        """Prefill/decode disaggregation: make sure a finished request's block reaches the disk tier. Already
+        on disk: nothing to do; in a host slot: written from there; else a host slot is taken for it (copied
+        from the device with this schedule's stores, then written). False: no slot free (every one pinned by
+        this schedule): the caller runs the stores so far and asks again."""
+        disk = self.disk
+        if disk is not None and disk.has_file(block_hash):
+            disk.touch(block_hash)
+            return True
+        slot = self.host.get(block_hash, tokens)
+        if slot is not None:
+            if disk is not None:
+                disk.write(block_hash, tokens, self.host.data[slot])
+            return True
+        slot = self.host.put(block_hash, tokens)
+        if slot is None:
+            return False
+        self.host.pin(slot)
+        self.stores.append((block_id, slot))
+        return True
+
     def find(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
         """The host slot holding this block, read from disk first if only the disk has it; pinned until the
         runner has run this schedule. None: in no tier (or no free slot)."""

@@ -439,7 +439,9 @@ class ModelRunner:
         calls = (CPU_ATTENTION_TARGET,) if self.config.attention_backend == "cpu" else ()
         if "pallas" in (self.config.attention_backend, self.config.sampler_backend):
             calls += ("__gpu$xla.gpu.triton",)  # (Pallas' Triton kernels on GPU)
-        return StepCache(root, repr((self.config, self.graphdef, self.draft_graphdef)), shared, calls)
+        config = dataclasses.replace(self.config, cache_config=dataclasses.replace(  # (roles share their steps)
+            self.config.cache_config, kv_role=None))
+        return StepCache(root, repr((config, self.graphdef, self.draft_graphdef)), shared, calls)
 
     def time_buckets(self, up_to: int) -> dict[int, tuple[float, float]]:
         """Seconds a step of each token bucket up to `up_to` takes without and with drafts to verify (an empty

@@ -49,6 +49,23 @@ def test_consumer_loads_the_producers_blocks(tiny_model_dir, tmp_path, expected,
     assert len(list(tmp_path.rglob("*.kvblock"))) == files  # (a consumer writes nothing it was not asked to)
 
 
+def test_more_finished_blocks_than_host_slots_and_blocks_kept_in_host_memory(tiny_model_dir, tmp_path):
+    """Four prompts of 6 full blocks finishing in one step: 24 blocks through 16 host slots; then, their files
+    gone (another engine's budget removed them), the same prompts again: written from the host tier."""
+    prompts = [RNG.integers(3, 256, size=100).tolist() for _ in range(4)]
+    producer = LLM(tiny_model_dir("llama"), kv_role="producer", kv_offload_dir=str(tmp_path),
+                   **{**KW, "max_num_batched_tokens": 512})
+    one = SamplingParams(temperature=0, max_tokens=1)
+    tokens(producer, prompts, one)
+    assert producer.engine.core.offload.host.num_slots == 16
+    files = sorted(tmp_path.rglob("*.kvblock"))
+    assert len(files) == 4 * (100 // 16)
+    for f in files:
+        f.unlink()
+    tokens(producer, prompts, one)
+    assert sorted(tmp_path.rglob("*.kvblock")) == files
+
+
 def test_without_a_producer_nothing_is_in_the_folder(tiny_model_dir, tmp_path):
     """The same run with a plain engine in place of the producer: its blocks stay on its device (so the test
     above measures the role, not the offload tier's eviction path)."""

@@ -19,9 +19,10 @@ ENGINE_ARGS = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=
 
 
 class LiveServer:
-    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None):
+    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None, kv_pull_from=None):
         self.engine = engine
         self.tenants = tenants
+        self.kv_pull_from = kv_pull_from
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -34,7 +35,8 @@ class LiveServer:
 
     def _run(self, api_key):
         asyncio.set_event_loop(self.loop)
-        app = create_app(self.engine, model_name="tiny", api_key=api_key, tenants=self.tenants)
+        app = create_app(self.engine, model_name="tiny", api_key=api_key, tenants=self.tenants,
+                         kv_pull_from=self.kv_pull_from)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
@@ -49,11 +51,11 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, tenants=None, **engine_args):
-    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY; `tenants`),
-    stopped on exit."""
+def serving(model_dir: str, tenants=None, kv_pull_from=None, **engine_args):
+    """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY; `tenants`;
+    the prefill instances it may pull KV blocks from), stopped on exit."""
     args = EngineArgs(model=model_dir, **{**ENGINE_ARGS, **engine_args})
-    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants)
+    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants, kv_pull_from)
     try:
         yield server
     finally:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import sys
 import threading
 
 import numpy as np
@@ -17,6 +19,7 @@ import requests
 from aiohttp import web
 
 from server.disagg_proxy import DisaggProxy, create_proxy_app, prefill_body, uses_prefix_cache
+from server.state import STATE
 from tests.server.conftest import API_KEY, serving
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -78,7 +81,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
 def remote(cluster, tiny_model_dir, tmp_path_factory):
     """A consumer with a folder of its own (as on another host) and a proxy in front of it and the producer."""
     folder = tmp_path_factory.mktemp("remote-kv")
-    with serving(tiny_model_dir("llama"), kv_role="consumer", kv_offload_dir=str(folder)) as server:
+    with serving(tiny_model_dir("llama"), kv_role="consumer", kv_offload_dir=str(folder),
+                 kv_pull_from=[cluster[1].base_url]) as server:
         proxy = DisaggProxy([cluster[1].base_url], [server.base_url])
         front = AppThread(create_proxy_app(proxy))
         try:
@@ -216,18 +220,33 @@ def test_a_bad_block_from_the_source_is_refused_and_computed(cluster, remote, ca
     plain = cluster[0]
     server, folder, _, _ = remote
     fake = fake_instance({})
+    trusted = server.runner.app[STATE].kv_pull_from
+    trusted.append(fake.base_url)
+    body = {**COMPLETION, "prompt": np.random.default_rng(10).integers(3, 250, size=40).tolist()}
     try:
-        body = {**COMPLETION, "prompt": np.random.default_rng(10).integers(3, 250, size=40).tolist()}
         files = len(list(folder.rglob("*.kvblock")))
-        resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": fake.base_url}})
+        with caplog.at_level(logging.WARNING):
+            resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": fake.base_url}})
         assert texts(resp) == texts(post(plain.base_url, "completions", body))
-        assert len(list(folder.rglob("*.kvblock"))) == files  # (both blocks refused)
+        assert caplog.text.count("refusing a received block") == 2  # (both full blocks pulled, and refused)
+        assert len(list(folder.rglob("*.kvblock"))) == files
     finally:
+        trusted.remove(fake.base_url)
         fake.stop()
-    resp = post(cluster[1].base_url, "completions", {**body, "kv_transfer_params": {"source": fake.base_url}})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"  # (not a consumer)
-    resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": 3}})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_kv_transfer_params_only_from_trusted_sources_and_only_on_consumers(cluster, remote):
+    plain, producer = cluster[0], cluster[1]
+    server = remote[0]
+    body = {**COMPLETION, "prompt": [5, 6, 7]}
+    for source in ("http://127.0.0.1:9", 3):  # (a source it was not told to trust; not a URL)
+        resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": source}})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
+    for other in (producer, plain):  # (not consumers: the field is ignored, as vLLM does)
+        resp = post(other.base_url, "completions", {**body, "kv_transfer_params": {"source": "http://x:1"}})
+        assert resp.status_code == 200
+    assert requests.get(f"{plain.base_url}/v1/kv_blocks/{0:016x}", headers=HEADERS, timeout=10).status_code == 404
+    assert requests.get(f"{plain.base_url}/kv_transfer", timeout=10).json() == {"kv_role": None}
 
 
 def test_mismatched_instances_are_refused_at_start(cluster):
@@ -245,7 +264,7 @@ def test_mismatched_instances_are_refused_at_start(cluster):
             runner.call(proxy.close())
             runner.stop()
 
-    assert check([producer.base_url], [consumer.base_url])["kv_dir"] == info["kv_dir"]
+    assert check([producer.base_url], [consumer.base_url])["kv_folder_id"] == info["kv_folder_id"]
     with pytest.raises(ValueError, match="kv_role='consumer'"):
         check([consumer.base_url], [consumer.base_url])
     with pytest.raises(ValueError, match="kv_role=None"):
@@ -265,3 +284,29 @@ def test_prefill_request_is_one_token_of_the_same_prompt():
                                   "ignore_eos": True}
     assert uses_prefix_cache(COMPLETION) and not uses_prefix_cache({**COMPLETION, "presence_penalty": 0.5})
     assert not uses_prefix_cache({**COMPLETION, "prompt_logprobs": 1})
+    assert not uses_prefix_cache({**COMPLETION, "echo": True, "logprobs": 1})
+
+
+def test_server_processes_behind_the_cli_proxy(cluster, tiny_model_dir, tmp_path):
+    """The commands themselves: `jaxpaged serve --kv-role ...` twice and `jaxpaged serve-disagg`, as processes."""
+    from jaxpaged.bench.disagg import _free_port, _process, _wait_healthy
+
+    plain = cluster[0]
+    serve = [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", tiny_model_dir("llama"), "--num-kv-blocks",
+             "256", "--max-model-len", "256", "--max-num-batched-tokens", "128", "--kv-offload-dir",
+             str(tmp_path / "kv"), "--kv-offload-disk-gb", "0.1", "--served-model-name", "tiny"]
+    urls = {role: (f"http://127.0.0.1:{(port := _free_port())}", port) for role in ("producer", "consumer", "proxy")}
+    logs = {role: str(tmp_path / f"{role}.log") for role in urls}
+    with _process(serve + ["--port", str(urls["producer"][1]), "--kv-role", "producer"], logs["producer"]) as p, \
+            _process(serve + ["--port", str(urls["consumer"][1]), "--kv-role", "consumer"], logs["consumer"]) as d:
+        _wait_healthy(urls["producer"][0], p, logs["producer"], timeout=300)
+        _wait_healthy(urls["consumer"][0], d, logs["consumer"], timeout=300)
+        proxy_cmd = [sys.executable, "-m", "jaxpaged.cli", "serve-disagg", "--port", str(urls["proxy"][1]),
+                     "--prefill", urls["producer"][0], "--decode", urls["consumer"][0]]
+        with _process(proxy_cmd, logs["proxy"]) as x:
+            _wait_healthy(urls["proxy"][0], x, logs["proxy"], timeout=60)
+            body = {**COMPLETION, "prompt": np.random.default_rng(12).integers(3, 250, size=100).tolist()}
+            assert texts(post(urls["proxy"][0], "completions", body)) == texts(post(plain.base_url, "completions",
+                                                                                    body))
+            metrics = requests.get(f"{urls['consumer'][0]}/metrics", timeout=10).text
+            assert 'jaxpaged:kv_offload_hits_total{tier="disk"} 6.0' in metrics  # ((100 - 1) // 16 blocks)
