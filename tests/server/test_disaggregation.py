@@ -7,6 +7,7 @@ before serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -62,19 +63,27 @@ class AppThread:
         self.thread.join(10)
 
 
+@contextlib.contextmanager
+def proxied(prefill: list[str], decode: list[str], check: bool = True):
+    """(a DisaggProxy over these instances, its server), `check`ed first, stopped on exit."""
+    proxy = DisaggProxy(prefill, decode)
+    front = AppThread(create_proxy_app(proxy))
+    try:
+        if check:
+            front.call(proxy.check())
+        yield proxy, front
+    finally:
+        front.stop()
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     """(plain server, producer, consumer, proxy over them); the consumer shares the producer's folder."""
     path, folder = tiny_model_dir("llama"), str(tmp_path_factory.mktemp("kv"))
     with serving(path) as plain, serving(path, kv_role="producer", kv_offload_dir=folder) as producer, \
-            serving(path, kv_role="consumer", kv_offload_dir=folder) as consumer:
-        proxy = DisaggProxy([producer.base_url], [consumer.base_url])
-        front = AppThread(create_proxy_app(proxy))
-        try:
-            front.call(proxy.check())
-            yield plain, producer, consumer, front
-        finally:
-            front.stop()
+            serving(path, kv_role="consumer", kv_offload_dir=folder) as consumer, \
+            proxied([producer.base_url], [consumer.base_url]) as (_, front):
+        yield plain, producer, consumer, front
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +91,9 @@ def remote(cluster, tiny_model_dir, tmp_path_factory):
     """A consumer with a folder of its own (as on another host) and a proxy in front of it and the producer."""
     folder = tmp_path_factory.mktemp("remote-kv")
     with serving(tiny_model_dir("llama"), kv_role="consumer", kv_offload_dir=str(folder),
-                 kv_pull_from=[cluster[1].base_url]) as server:
-        proxy = DisaggProxy([cluster[1].base_url], [server.base_url])
-        front = AppThread(create_proxy_app(proxy))
-        try:
-            front.call(proxy.check())
-            yield server, folder, proxy, front
-        finally:
-            front.stop()
+                 kv_pull_from=[cluster[1].base_url]) as server, \
+            proxied([cluster[1].base_url], [server.base_url]) as (proxy, front):
+        yield server, folder, proxy, front
 
 
 def post(base_url: str, route: str, body: dict) -> requests.Response:
@@ -160,28 +164,16 @@ def test_bad_input_is_refused_by_the_prefill_instance(cluster):
 def test_a_dead_prefill_instance_is_skipped_or_a_502(cluster):
     plain, producer, consumer, _ = cluster
     dead = f"http://127.0.0.1:{free_port()}"
-    proxy = DisaggProxy([dead, producer.base_url], [consumer.base_url])
-    front = AppThread(create_proxy_app(proxy))
-    try:
+    with proxied([dead, producer.base_url], [consumer.base_url], check=False) as (proxy, front):
         assert texts(post(front.base_url, "completions", COMPLETION)) == texts(post(plain.base_url, "completions",
                                                                                     COMPLETION))
         assert proxy.num_prefill_failures == 1
-    finally:
-        front.stop()
-    proxy = DisaggProxy([dead], [consumer.base_url])
-    front = AppThread(create_proxy_app(proxy))
-    try:
+    with proxied([dead], [consumer.base_url], check=False) as (_, front):
         resp = post(front.base_url, "completions", COMPLETION)
         assert resp.status_code == 502 and "no prefill instance" in resp.json()["error"]["message"]
-    finally:
-        front.stop()
-    proxy = DisaggProxy([producer.base_url], [dead])
-    front = AppThread(create_proxy_app(proxy))
-    try:
+    with proxied([producer.base_url], [dead], check=False) as (_, front):
         resp = post(front.base_url, "completions", COMPLETION)
         assert resp.status_code == 502 and "no decode instance" in resp.json()["error"]["message"]
-    finally:
-        front.stop()
     assert free_blocks_all(producer) and free_blocks_all(consumer)
 
 
