@@ -378,11 +378,6 @@ class ModelRunner:
             self._loader = StepLoader({t: partial(self._load_cached, cache, t, args[t]) for t in cached},
                                       workers=max(1, (os.cpu_count() or 1) - 1))
         with ThreadPoolExecutor(max_workers=max(1, min(len(self.buckets), os.cpu_count() or 1))) as pool:
-            small = [pool.submit(self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
-                                                        np.zeros(v, bool)).compile),
-                     pool.submit(BlockTransfer, self._pool_spec)]
-            if self.draft_pool is not None:
-                small.append(pool.submit(BlockTransfer, self.draft_pool))
             futures = {}
             for t in self.buckets:
                 if t not in cached:
@@ -391,8 +386,13 @@ class ModelRunner:
             for future in tqdm(as_completed(futures), total=len(futures), desc="Compiling step buckets",
                                unit="bucket", leave=False):
                 self._compiled[futures[future]] = future.result()
-            self._write_rows, self.transfer, *draft = (f.result() for f in small)
-            self.draft_transfer = draft[0] if draft else None
+        # The small executables after the pool, on this thread: a CI run with them compiling on the pool beside the
+        # steps crashed inside XLA's compile once (jaxlib 0.10.2, CPU); steps compiling beside each other had run
+        # there for many sessions.
+        self._write_rows = self._write_rows.lower(self.row_state, np.int32(0), np.zeros(v, np.float32),
+                                                  np.zeros(v, bool)).compile()
+        self.transfer = BlockTransfer(self._pool_spec)
+        self.draft_transfer = BlockTransfer(self.draft_pool) if self.draft_pool is not None else None
         if cached:
             logger.info("%d of %d step buckets are in the step cache %s (loading in the background)", len(cached),
                         len(self.buckets), cache.dir)
