@@ -119,7 +119,7 @@ async def pull_blocks(state, request: web.Request, source: str, prompts: list[li
     for ids in prompts:
         for h, tokens in prompt_blocks(ids, bs):
             wanted.setdefault(h, tokens)
-    missing = [(h, t) for h, t in wanted.items() if not await asyncio.to_thread(disk.has_file, h)]
+    missing = await asyncio.to_thread(lambda: [(h, t) for h, t in wanted.items() if not disk.has_file(h)])
     if not missing:
         return 0
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}

@@ -27,13 +27,15 @@ import urllib.request
 START_TIMEOUT = 900.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: str, timeout: float = START_TIMEOUT) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: str, timeout: float = START_TIMEOUT) -> None:
+    """Wait until the server at `url` answers `/v1/models`; raise with its log's tail if it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -49,7 +51,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: str, timeout: float = S
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], log: str, cpus: set[int] | None = None):
+def server_process(cmd: list[str], log: str, cpus: set[int] | None = None):
     """A child process (pinned to `cpus`), sent SIGTERM and waited for on exit."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -95,24 +97,24 @@ def main(ns) -> dict:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     results = {}
 
-    port = _free_port()
+    port = free_port()
     log = os.path.join(out_dir, "disagg_single.log")
-    with _process(_serve_cmd(ns, port), log) as proc:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc, log)
+    with server_process(_serve_cmd(ns, port), log) as proc:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log)
         results["one engine"] = _bench(ns, f"http://127.0.0.1:{port}", f"one engine, {len(cpus)} cores")
 
     with tempfile.TemporaryDirectory(prefix="jaxpaged-kv-", dir=shm) as folder:
-        p_port, d_port, x_port = _free_port(), _free_port(), _free_port()
+        p_port, d_port, x_port = free_port(), free_port(), free_port()
         logs = [os.path.join(out_dir, f"disagg_{n}.log") for n in ("prefill", "decode", "proxy")]
         kv = ["--kv-offload-dir", folder]
-        with _process(_serve_cmd(ns, p_port, "--kv-role", "producer", *kv), logs[0], prefill_cpus) as prefill, \
-                _process(_serve_cmd(ns, d_port, "--kv-role", "consumer", *kv), logs[1], decode_cpus) as decode:
-            _wait_healthy(f"http://127.0.0.1:{p_port}", prefill, logs[0])
-            _wait_healthy(f"http://127.0.0.1:{d_port}", decode, logs[1])
+        with server_process(_serve_cmd(ns, p_port, "--kv-role", "producer", *kv), logs[0], prefill_cpus) as prefill, \
+                server_process(_serve_cmd(ns, d_port, "--kv-role", "consumer", *kv), logs[1], decode_cpus) as decode:
+            wait_healthy(f"http://127.0.0.1:{p_port}", prefill, logs[0])
+            wait_healthy(f"http://127.0.0.1:{d_port}", decode, logs[1])
             proxy_cmd = [sys.executable, "-m", "jaxpaged.cli", "serve-disagg", "--port", str(x_port),
                          "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"]
-            with _process(proxy_cmd, logs[2]) as proxy:
-                _wait_healthy(f"http://127.0.0.1:{x_port}", proxy, logs[2], timeout=60)
+            with server_process(proxy_cmd, logs[2]) as proxy:
+                wait_healthy(f"http://127.0.0.1:{x_port}", proxy, logs[2], timeout=60)
                 results["prefill/decode split"] = _bench(
                     ns, f"http://127.0.0.1:{x_port}",
                     f"prefill on cores {sorted(prefill_cpus)}, decode on cores {sorted(decode_cpus)}")

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import sys
 import threading
 
@@ -19,18 +18,13 @@ import pytest
 import requests
 from aiohttp import web
 
+from jaxpaged.bench.disagg import free_port, server_process, wait_healthy
 from server.disagg_proxy import DisaggProxy, create_proxy_app, prefill_body, uses_prefix_cache
 from server.state import STATE
 from tests.server.conftest import API_KEY, serving
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = np.random.default_rng(7).integers(3, 250, size=170).tolist()  # > max_num_batched_tokens (128): chunked
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AppThread:
@@ -281,22 +275,23 @@ def test_prefill_request_is_one_token_of_the_same_prompt():
 
 def test_server_processes_behind_the_cli_proxy(cluster, tiny_model_dir, tmp_path):
     """The commands themselves: `jaxpaged serve --kv-role ...` twice and `jaxpaged serve-disagg`, as processes."""
-    from jaxpaged.bench.disagg import _free_port, _process, _wait_healthy
-
     plain = cluster[0]
     serve = [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", tiny_model_dir("llama"), "--num-kv-blocks",
              "256", "--max-model-len", "256", "--max-num-batched-tokens", "128", "--kv-offload-dir",
              str(tmp_path / "kv"), "--kv-offload-disk-gb", "0.1", "--served-model-name", "tiny"]
-    urls = {role: (f"http://127.0.0.1:{(port := _free_port())}", port) for role in ("producer", "consumer", "proxy")}
+    urls = {role: (f"http://127.0.0.1:{(port := free_port())}", port) for role in ("producer", "consumer", "proxy")}
     logs = {role: str(tmp_path / f"{role}.log") for role in urls}
-    with _process(serve + ["--port", str(urls["producer"][1]), "--kv-role", "producer"], logs["producer"]) as p, \
-            _process(serve + ["--port", str(urls["consumer"][1]), "--kv-role", "consumer"], logs["consumer"]) as d:
-        _wait_healthy(urls["producer"][0], p, logs["producer"], timeout=300)
-        _wait_healthy(urls["consumer"][0], d, logs["consumer"], timeout=300)
+    def serve_as(name: str) -> list[str]:
+        return serve + ["--port", str(urls[name][1]), "--kv-role", name]
+
+    with server_process(serve_as("producer"), logs["producer"]) as p, \
+            server_process(serve_as("consumer"), logs["consumer"]) as d:
+        wait_healthy(urls["producer"][0], p, logs["producer"], timeout=300)
+        wait_healthy(urls["consumer"][0], d, logs["consumer"], timeout=300)
         proxy_cmd = [sys.executable, "-m", "jaxpaged.cli", "serve-disagg", "--port", str(urls["proxy"][1]),
                      "--prefill", urls["producer"][0], "--decode", urls["consumer"][0]]
-        with _process(proxy_cmd, logs["proxy"]) as x:
-            _wait_healthy(urls["proxy"][0], x, logs["proxy"], timeout=60)
+        with server_process(proxy_cmd, logs["proxy"]) as x:
+            wait_healthy(urls["proxy"][0], x, logs["proxy"], timeout=60)
             body = {**COMPLETION, "prompt": np.random.default_rng(12).integers(3, 250, size=100).tolist()}
             assert texts(post(urls["proxy"][0], "completions", body)) == texts(post(plain.base_url, "completions",
                                                                                     body))
