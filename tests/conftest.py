@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -12,6 +13,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 from tests.tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """After each test module, JAX's caches of compiled functions are dropped. Each executable holds mappings of
+    JIT code and a process may have at most vm.max_map_count (65,530 by default): the suite, compiling kernels
+    at many shapes in one process, ran past it once (LLVM crashed inside XLA's compile)."""
+    yield
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

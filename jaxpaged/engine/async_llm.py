@@ -186,12 +186,15 @@ class AsyncLLM:
             self._send("abort", core_ids)
 
     def shutdown(self) -> None:
-        """Stop the engine and output threads (the outputs of steps already taken are handed out first)."""
+        """Stop the engine and output threads (the outputs of steps already taken are handed out first), then
+        free the engine's device state."""
         self._stopped = True
         self._wake.set()
         self._engine_thread.join(timeout=10)
         self._outbox.put(None)
         self._output_thread.join(timeout=10)
+        if not self._engine_thread.is_alive():  # (a step still running keeps its state; its thread is a daemon)
+            self.engine.close()
 
     # -- snapshots (engine/snapshot.py) ---------------------------------------------------------
     def restore(self, path: str, outputs_file: str) -> list[str]:

@@ -98,6 +98,12 @@ class EngineCore:
             seconds += time.perf_counter() - start
         return seconds
 
+    def close(self) -> None:
+        """Free the runner's device state and stop the disk tier's writer (after what it has queued)."""
+        self.runner.close()
+        if self.offload is not None:
+            self.offload.close()
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request runs or waits. (A step may still be in flight: its results concern only
         finished requests then, and the next step drops them.)"""

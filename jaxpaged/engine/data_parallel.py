@@ -118,6 +118,10 @@ class DataParallelCore:
     def warmup(self) -> float:
         return sum(core.warmup() for core in self.replicas)
 
+    def close(self) -> None:
+        for core in self.replicas:
+            core.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

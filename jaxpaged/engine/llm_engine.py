@@ -392,6 +392,11 @@ class LLMEngine:
                     req.pending_forks = []
             self.scheduler.abort_requests(core_ids)
 
+    def close(self) -> None:
+        """Free the device state (compiled steps, KV pool, weights) at once, without waiting for the engine
+        to be garbage-collected; the engine cannot step afterwards."""
+        self.core.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 

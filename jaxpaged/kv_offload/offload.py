@@ -51,6 +51,11 @@ class KVOffload:
                             block_shape=shape, dtype=dtype)
         return cls(HostTier(cc.offload_host_blocks, shape, dtype), disk)
 
+    def close(self) -> None:
+        """Stop the disk tier's writer once what it has queued is written."""
+        if self.disk is not None:
+            self.disk.close()
+
     @property
     def block_bytes(self) -> int:
         return self.host.block_bytes

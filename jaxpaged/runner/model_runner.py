@@ -260,6 +260,7 @@ class ModelRunner:
         self._host_pool: np.ndarray | None = None
         self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
         self.mesh = self.channel = self._kv_pool = self._pending_pool = None
+        self.closed = False  # (`close`: the device state freed)
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
@@ -291,6 +292,26 @@ class ModelRunner:
     @kv_pool.setter
     def kv_pool(self, pool: jax.Array) -> None:
         self._kv_pool, self._pending_pool = pool, None
+
+    def close(self) -> None:
+        """Free the device state: compiled steps, KV pools, weights, processor rows (idempotent; the runner
+        cannot step afterwards). What still refers to the engine (a stopped server's app, say) then holds
+        no device memory and no compiled code."""
+        self.closed = True
+        if self.stub:
+            return
+        if self._loader is not None:
+            self._loader.close()
+        pools = [self._kv_pool, self.draft_pool]
+        if self._pending_pool is not None:
+            pools.append(self._pending_pool.result())
+        for pool in pools:
+            if isinstance(pool, jax.Array) and not pool.is_deleted():
+                pool.delete()
+        self._compiled, self._loader, self._free_masks = {}, None, {}
+        self._kv_pool = self._pending_pool = self.draft_pool = self.transfer = self.draft_transfer = None
+        self.state = self.draft_state = self.row_state = self.last_token = self._write_rows = None
+        self._host_pool = None
 
     def _replicated(self, tree):
         """`tree` on every device of the mesh (as is without one)."""
@@ -325,6 +346,8 @@ class ModelRunner:
         with self._call():
             if self._sends():
                 self.channel.send_step(t, ints, floats, bitmask if isinstance(bitmask, np.ndarray) else None)
+            if self.closed:
+                raise RuntimeError("the engine was shut down: its steps and KV pool are freed")
             step = self._ready_step(t)
             return self._run(self._jitted(t) if step is None else step, ints, floats, bitmask)
 
