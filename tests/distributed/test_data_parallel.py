@@ -107,3 +107,5 @@ def test_server_over_two_replicas(tiny_model_dir):
         assert not engine.has_unfinished_requests()
         for core in engine.core.replicas:
             assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks - 1
+        pools = [core.runner.kv_pool for core in engine.core.replicas]
+    assert all(pool.is_deleted() for pool in pools)  # (the stopped server freed every replica's pool)
