@@ -18,7 +18,6 @@ from aiohttp import web
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.tenants import Tenant, load_tenants
 from server.app import create_app
 from server.state import STATE
@@ -94,7 +93,7 @@ def main(ns) -> None:
     tenants = load_tenants(ns.tenants) if ns.tenants else None
     sock = bind_socket(ns.host, ns.port)
     try:
-        engine = AsyncLLM(LLMEngine.from_engine_args(args))
+        engine = AsyncLLM.from_engine_args(args)
         asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
                           shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
                           kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u]))

@@ -97,8 +97,11 @@ def _merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class AsyncLLM:
     """Async front of an `LLMEngine`, for servers: `async for out in llm.generate(prompt, params)`."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, *, owns_engine: bool = False):
+        """owns_engine: `shutdown()` also frees the engine's device state (`from_engine_args` makes its own engine;
+        one handed in may still be used by its owner after this front stops)."""
         self.engine = engine
+        self.owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # to the engine thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread
         self._wake = threading.Event()
@@ -115,7 +118,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(args))
+        return cls(LLMEngine.from_engine_args(args), owns_engine=True)
 
     @property
     def tokenizer(self):
@@ -187,13 +190,13 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine and output threads (the outputs of steps already taken are handed out first), then
-        free the engine's device state."""
+        free the engine's device state if this front owns the engine."""
         self._stopped = True
         self._wake.set()
         self._engine_thread.join(timeout=10)
         self._outbox.put(None)
         self._output_thread.join(timeout=10)
-        if not self._engine_thread.is_alive():  # (a step still running keeps its state; its thread is a daemon)
+        if self.owns_engine and not self._engine_thread.is_alive():  # (a step still running keeps its state)
             self.engine.close()
 
     # -- snapshots (engine/snapshot.py) ---------------------------------------------------------
