@@ -343,11 +343,11 @@ class ModelRunner:
     def run_step(self, t: int, ints, floats, bitmask):
         """Run the compiled step of bucket `t` (bitmask: a numpy structured-output mask, or a free mask kept on
         the device); returns (result, prompt_lp)."""
+        if self.closed:  # (before other processes are sent the step)
+            raise RuntimeError("the engine was shut down: its steps and KV pool are freed")
         with self._call():
             if self._sends():
                 self.channel.send_step(t, ints, floats, bitmask if isinstance(bitmask, np.ndarray) else None)
-            if self.closed:
-                raise RuntimeError("the engine was shut down: its steps and KV pool are freed")
             step = self._ready_step(t)
             return self._run(self._jitted(t) if step is None else step, ints, floats, bitmask)
 
