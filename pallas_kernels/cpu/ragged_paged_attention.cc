@@ -157,9 +157,12 @@ struct Tile {
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+static_assert(kKeyChunk == 16, "a chunk's scores are one vf");
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+inline vf splat(float x) { return vf{} + x; }
 
 inline float hsum(vf v) {
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -168,28 +171,91 @@ inline float hsum(vf v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+inline float hmax(vf v) {
+  const vf8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf8 a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 a = a0 > a1 ? a0 : a1;
+  const vf4 b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vf4 b = b0 > b1 ? b0 : b1;
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+// exp_nonpositive on 16 lanes (the same polynomial; x * log2(e) rounded by truncating x * log2(e) - 1/2).
+inline vf vexp_nonpositive(vf x) {
+  const vf xc = x < -87.f ? splat(-87.f) : x;
+  const vi n = __builtin_convertvector(xc * 1.44269504f - 0.5f, vi);
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = xc - nf * 0.693145752f - nf * 1.42860677e-6f;
+  vf p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vf scale = reinterpret_cast<vf>((n + 127) << 23);
+  return x < -87.f ? vf{} : p * scale;
+}
+
+// Lane j = the sum of t[j]'s 16 lanes: four rounds of pairwise shuffles and adds (45 operations for 16 sums).
+inline vf reduce16(const vf* t) {
+  vf x[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    z[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+constexpr int kFewRows = 16;  // up to this many query vectors per KV head, scores come from per-key dot products
+
 // Scores s[r][j] = q[r] . k[j] for `rows` query vectors and kKeyChunk keys (k given per key, float32).
-// kNV > 0: head_dim = 16 kNV, in vectors. Few rows (decodes): a dot per (row, key). Many rows (prompt tiles):
-// K transposed once, then each row's 16 scores are one vector updated per d.
+// kNV > 0: head_dim = 16 kNV, in vectors. Few rows (decodes: the grouped heads of one token): per-key products
+// summed by `reduce16`. Many rows (prompt tiles): K transposed once, then four rows at a time, each row's 16
+// scores one vector updated per d.
 template <int kNV>
 inline void scores(const float* q, int64_t rows, const float* const* k, int64_t d_dim, float* kt, float* s) {
   if constexpr (kNV > 0) {
     constexpr int kD = 16 * kNV;
-    if (rows <= 4) {
+    if (rows <= kFewRows) {
       for (int64_t r = 0; r < rows; ++r) {
-        vf qr[kNV];
+        vf qr[kNV], t[kKeyChunk];
         for (int v = 0; v < kNV; ++v) qr[v] = load(q + r * kD + 16 * v);
         for (int j = 0; j < kKeyChunk; ++j) {
-          vf t = qr[0] * load(k[j]);
-          for (int v = 1; v < kNV; ++v) t += qr[v] * load(k[j] + 16 * v);
-          s[r * kKeyChunk + j] = hsum(t);
+          vf a = qr[0] * load(k[j]);
+          for (int v = 1; v < kNV; ++v) a += qr[v] * load(k[j] + 16 * v);
+          t[j] = a;
         }
+        store(s + r * kKeyChunk, reduce16(t));
       }
       return;
     }
     for (int j = 0; j < kKeyChunk; ++j)
       for (int d = 0; d < kD; ++d) kt[d * kKeyChunk + j] = k[j][d];
-    for (int64_t r = 0; r < rows; ++r) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float *q0 = q + r * kD, *q1 = q0 + kD, *q2 = q1 + kD, *q3 = q2 + kD;
+      vf t0 = {}, t1 = {}, t2 = {}, t3 = {};
+      for (int d = 0; d < kD; ++d) {
+        const vf kd = load(kt + d * kKeyChunk);
+        t0 += q0[d] * kd;
+        t1 += q1[d] * kd;
+        t2 += q2[d] * kd;
+        t3 += q3[d] * kd;
+      }
+      store(s + r * kKeyChunk, t0);
+      store(s + (r + 1) * kKeyChunk, t1);
+      store(s + (r + 2) * kKeyChunk, t2);
+      store(s + (r + 3) * kKeyChunk, t3);
+    }
+    for (; r < rows; ++r) {
       const float* qr = q + r * kD;
       vf t0 = {}, t1 = {};  // two chains for the FMA latency
       for (int d = 0; d < kD; d += 2) {
@@ -208,21 +274,45 @@ inline void scores(const float* q, int64_t rows, const float* const* k, int64_t 
   }
 }
 
-// acc = acc * scale + sum_j w[j] * v[j] over n keys, the accumulator held in registers when head_dim = 16 kNV.
+// acc[r] = acc[r] * scale[r] + sum_j w[r][j] v[j] over n keys for `rows` rows (w: kKeyChunk per row); with
+// head_dim = 16 kNV, kRows rows at a time with their accumulators in registers.
 template <int kNV>
-inline void accumulate(float* acc, int64_t d_dim, float scale, const float* w, const float* const* v, int n) {
+inline void accumulate(float* acc, int64_t rows, int64_t d_dim, const float* scale, const float* w,
+                       const float* const* v, int n) {
   if constexpr (kNV > 0) {
-    vf a[kNV];
-    for (int i = 0; i < kNV; ++i) a[i] = load(acc + 16 * i) * scale;
-    for (int j = 0; j < n; ++j) {
-      const float wj = w[j];
-      for (int i = 0; i < kNV; ++i) a[i] += wj * load(v[j] + 16 * i);
+    constexpr int kD = 16 * kNV, kRows = kNV <= 4 ? 4 : kNV <= 8 ? 2 : 1;
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      vf a[kRows][kNV];
+      for (int b = 0; b < kRows; ++b)
+        for (int i = 0; i < kNV; ++i) a[b][i] = load(acc + (r + b) * kD + 16 * i) * scale[r + b];
+      for (int j = 0; j < n; ++j) {
+        vf vj[kNV];
+        for (int i = 0; i < kNV; ++i) vj[i] = load(v[j] + 16 * i);
+        for (int b = 0; b < kRows; ++b) {
+          const float wj = w[(r + b) * kKeyChunk + j];
+          for (int i = 0; i < kNV; ++i) a[b][i] += wj * vj[i];
+        }
+      }
+      for (int b = 0; b < kRows; ++b)
+        for (int i = 0; i < kNV; ++i) store(acc + (r + b) * kD + 16 * i, a[b][i]);
     }
-    for (int i = 0; i < kNV; ++i) store(acc + 16 * i, a[i]);
+    for (; r < rows; ++r) {
+      vf a[kNV];
+      for (int i = 0; i < kNV; ++i) a[i] = load(acc + r * kD + 16 * i) * scale[r];
+      for (int j = 0; j < n; ++j) {
+        const float wj = w[r * kKeyChunk + j];
+        for (int i = 0; i < kNV; ++i) a[i] += wj * load(v[j] + 16 * i);
+      }
+      for (int i = 0; i < kNV; ++i) store(acc + r * kD + 16 * i, a[i]);
+    }
   } else {
-    for (int64_t d = 0; d < d_dim; ++d) acc[d] *= scale;
-    for (int j = 0; j < n; ++j)
-      for (int64_t d = 0; d < d_dim; ++d) acc[d] += w[j] * v[j][d];
+    for (int64_t r = 0; r < rows; ++r) {
+      float* ar = acc + r * d_dim;
+      for (int64_t d = 0; d < d_dim; ++d) ar[d] *= scale[r];
+      for (int j = 0; j < n; ++j)
+        for (int64_t d = 0; d < d_dim; ++d) ar[d] += w[r * kKeyChunk + j] * v[j][d];
+    }
   }
 }
 
@@ -244,7 +334,7 @@ void run_item(const Problem& p, const Tile& tile) {
   // Per KV head: its query rows (scaled), softmax state and accumulator. Row r of head h is token r / group,
   // query head h * group + r % group.
   std::vector<float> qs(kvh * rows * dd), acc(kvh * rows * dd, 0.f), m(kvh * rows, kMasked), l(kvh * rows, 0.f);
-  std::vector<int32_t> pos(rows);
+  std::vector<int32_t> pos(rows), lo(rows);
   for (int64_t h = 0; h < kvh; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = tile.first + r / group, qh = h * group + r % group;
@@ -252,7 +342,10 @@ void run_item(const Problem& p, const Tile& tile) {
       float* dst = &qs[(h * rows + r) * dd];
       for (int64_t d = 0; d < dd; ++d) dst[d] = src[d] * p.sm_scale;
     }
-  for (int64_t r = 0; r < rows; ++r) pos[r] = p.positions[tile.first + r / group];
+  for (int64_t r = 0; r < rows; ++r) {
+    pos[r] = p.positions[tile.first + r / group];
+    lo[r] = p.sliding_window > 0 ? static_cast<int32_t>(pos[r] - p.sliding_window + 1) : 0;
+  }
   int32_t first_pos = pos[0], last = pos[0];  // the tile's tokens may come in any order
   for (int64_t r = 0; r < rows; ++r) {
     first_pos = std::min(first_pos, pos[r]);
@@ -263,7 +356,7 @@ void run_item(const Problem& p, const Tile& tile) {
   start -= start % kKeyChunk;
 
   std::vector<float> kt(dd * kKeyChunk), kbuf(kWide ? 0 : kKeyChunk * dd), vbuf(kWide ? 0 : kKeyChunk * dd);
-  std::vector<float> s(rows * kKeyChunk);
+  std::vector<float> s(rows * kKeyChunk), scale(rows);
   alignas(64) static thread_local float zeros[512];  // a key slot past the visible ones (its scores are masked)
   std::vector<float> zero_row(dd > 512 ? dd : 0, 0.f);
   const float* zero = dd > 512 ? zero_row.data() : zeros;
@@ -271,6 +364,8 @@ void run_item(const Problem& p, const Tile& tile) {
   const Stored* slot_v[kKeyChunk];
   const float* kp[kKeyChunk];
   const float* vp[kKeyChunk];
+  vi iota;
+  for (int j = 0; j < kKeyChunk; ++j) iota[j] = j;
 
   auto slot_offset = [&](int64_t key) {
     const int64_t b = key / p.block_size;
@@ -285,6 +380,7 @@ void run_item(const Problem& p, const Tile& tile) {
       slot_k[j] = k_base + off;
       slot_v[j] = v_base + off;
     }
+    const vi keys = iota + static_cast<int32_t>(k0);
     for (int64_t h = 0; h < kvh; ++h) {
       for (int j = 0; j < kKeyChunk; ++j) {
         if (j >= n) {
@@ -304,29 +400,27 @@ void run_item(const Problem& p, const Tile& tile) {
         }
       }
       scores<kNV>(&qs[h * rows * dd], rows, kp, dd, kt.data(), s.data());
+      // Online softmax over the chunk, 16 keys of a row at a time: masked keys get weight 0; a row that sees
+      // none of them keeps its state (scale 1, weights 0).
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = &s[r * kKeyChunk];
-        const int64_t lo = p.sliding_window > 0 ? pos[r] - p.sliding_window + 1 : 0;
-        float chunk_max = kMasked;
-        for (int j = 0; j < kKeyChunk; ++j) {
-          const int64_t key = k0 + j;
-          const bool visible = j < n && key <= pos[r] && key >= lo;
-          sr[j] = visible ? sr[j] : kMasked;
-          chunk_max = std::max(chunk_max, sr[j]);
+        const vi visible = (keys <= pos[r]) & (keys >= lo[r]);
+        const vf sv = visible ? load(sr) : splat(kMasked);
+        const float chunk_max = hmax(sv);
+        if (chunk_max <= kMasked) {
+          scale[r] = 1.f;
+          store(sr, vf{});
+          continue;
         }
-        if (chunk_max <= kMasked) continue;  // nothing visible to this row in the chunk
         float& mr = m[h * rows + r];
         const float m_new = std::max(mr, chunk_max);
-        const float scale = exp_nonpositive(mr - m_new);
-        float sum = 0.f;
-        for (int j = 0; j < kKeyChunk; ++j) {
-          sr[j] = exp_nonpositive(sr[j] - m_new);  // masked keys: -1e30 - m_new underflows to 0
-          sum += sr[j];
-        }
-        l[h * rows + r] = l[h * rows + r] * scale + sum;
+        scale[r] = exp_nonpositive(mr - m_new);
+        const vf e = visible ? vexp_nonpositive(sv - m_new) : vf{};
+        store(sr, e);
+        l[h * rows + r] = l[h * rows + r] * scale[r] + hsum(e);
         mr = m_new;
-        accumulate<kNV>(&acc[(h * rows + r) * dd], dd, scale, sr, vp, n);
       }
+      accumulate<kNV>(&acc[h * rows * dd], rows, dd, scale.data(), s.data(), vp, n);
     }
   }
   for (int64_t h = 0; h < kvh; ++h)
