@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     fb = bench_sub.add_parser("functional", help="jaxpaged.functional.generate against LLM.generate, one batch")
     functional_bench.add_args(fb)
     fb.set_defaults(func=functional_bench.main)
-    kb = bench_sub.add_parser("kernels", help="Pallas kernels against their references (run it on a GPU)")
+    kb = bench_sub.add_parser("kernels", help="kernels against their references (GPU: the Pallas kernels; CPU: "
+                                              "the C++ attention)")
     kernel_bench.add_args(kb)
     kb.set_defaults(func=kernel_bench.main)
     return parser

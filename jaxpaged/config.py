@@ -192,13 +192,16 @@ def resolve_kernel_backend(name: str) -> str:
 
 
 def resolve_attention_backend(name: str) -> str:
-    """auto: the Pallas kernel on GPU; on CPU the C++ kernel (`pallas_kernels.cpu_attention`) where this machine
-    can build it, else the plain-JAX path. "cpu" asks for the C++ kernel and fails if it cannot be had."""
+    """auto: the Pallas kernel on GPU; on CPU the C++ kernels (`pallas_kernels.cpu_attention`, and
+    `pallas_kernels.cpu_rope` for the rotary tables) where this machine can build them, else the plain-JAX path.
+    "cpu" asks for the C++ kernels and fails if they cannot be had. (Resolving registers them with XLA, which a
+    step loaded from the step cache needs before it compiles.)"""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_attention, cpu_rope
 
-    if name in ("auto", "cpu") and jax.default_backend() == "cpu" and cpu_attention.available():
+    if (name in ("auto", "cpu") and jax.default_backend() == "cpu" and cpu_attention.available()
+            and cpu_rope.available()):
         return "cpu"
     if name == "cpu":
         raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the kernel "

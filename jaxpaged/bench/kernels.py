@@ -1,7 +1,8 @@
 """Kernel benchmark: each Pallas kernel against its plain-JAX reference at serving shapes.
 
     jaxpaged bench kernels                 # GPU: Triton kernels at full serving shapes
-    jaxpaged bench kernels --quick         # small shapes (what a CPU can run: kernels interpreted)
+    jaxpaged bench kernels                 # CPU: the C++ CPU attention at full shapes (Pallas sampler interpreted)
+    jaxpaged bench kernels --quick         # small shapes (a CPU without the C++ kernel: kernels interpreted)
 
 Correctness first (the kernel's output against the reference on the same inputs), then the median
 time of each. Attention reports the K/V bytes its sequences' contexts hold per second of kernel
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import platform_is_gpu
+from pallas_kernels import cpu_attention
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_mask, top_k_top_p_sampling
 
@@ -60,7 +62,8 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
             jnp.asarray(positions, jnp.int32)), kv_bytes
 
 
-def bench_attention(quick: bool, iters: int, interpret: bool, dtype) -> list[dict]:
+def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas") -> list[dict]:
+    """backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++ CPU kernel."""
     scale = 8 if quick else 1
     workloads = {
         "decode": [(1024 // scale, 1)] * (64 // scale),
@@ -71,11 +74,15 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype) -> list[dic
         for name, seqs in workloads.items():
             args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
             sm = d ** -0.5
-            kern = jax.jit(lambda *a, sm=sm: ragged_paged_attention(*a, sm_scale=sm, interpret=interpret))
+            if backend == "cpu":
+                kern = jax.jit(lambda *a, sm=sm: cpu_attention.ragged_paged_attention_cpu(*a, sm_scale=sm))
+            else:
+                kern = jax.jit(lambda *a, sm=sm: ragged_paged_attention(*a, sm_scale=sm, interpret=interpret))
             ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
             err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - ref(*args).astype(jnp.float32))))
             k_ms, r_ms = median_ms(kern, *args, iters=iters), median_ms(ref, *args, iters=iters)
-            rows.append({"kernel": "paged_attention", "case": f"{model} {name}", "tokens": int(args[0].shape[0]),
+            rows.append({"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
+                         "case": f"{model} {name}", "tokens": int(args[0].shape[0]),
                          "max_abs_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
                          "kernel_kv_GBps": kv_bytes / k_ms / 1e6, "reference_kv_GBps": kv_bytes / r_ms / 1e6})
     return rows
@@ -107,7 +114,7 @@ def print_table(rows: list[dict], device: str) -> None:
     print(f"\nKernels vs references on {device}")
     print(f"{'kernel':<16}{'case':<30}{'check':>12}{'kernel ms':>11}{'ref ms':>10}{'speedup':>9}  throughput")
     for r in rows:
-        if r["kernel"] == "paged_attention":
+        if r["kernel"] in ("paged_attention", "cpu_attention"):
             check = f"{r['max_abs_err']:.1e}"
             tput = f"{r['kernel_kv_GBps']:.1f} GB/s K/V (ref {r['reference_kv_GBps']:.1f})"
         else:
@@ -121,6 +128,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (default off GPU: kernels are interpreted)")
     p.add_argument("--iters", type=int, default=None, help="timed runs per case (default 20 on GPU, 2 off)")
     p.add_argument("--only", choices=("attention", "sampling"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="q and KV pool dtype (default: bfloat16 on GPU, float32 off GPU)")
     p.add_argument("--output-json", default="bench_results/kernels.json")
 
 
@@ -128,12 +137,16 @@ def main(ns: argparse.Namespace) -> list[dict]:
     gpu = platform_is_gpu()
     interpret = not gpu
     quick = ns.quick or not gpu
-    iters = ns.iters or (20 if gpu else 2)
-    device = f"{jax.devices()[0].device_kind} ({'Triton' if gpu else 'Pallas interpreter: times are not kernel speed'})"
-    dtype = jnp.bfloat16 if gpu else jnp.float32
+    cpu_kernel = not gpu and cpu_attention.available()  # the CPU's own attention kernel: full shapes unless --quick
+    iters = ns.iters or (20 if gpu else 10 if cpu_kernel else 2)
+    device = jax.devices()[0].device_kind + (" (Triton)" if gpu else " (attention: the C++ CPU kernel; sampling: "
+                                             "Pallas interpreter, times are not kernel speed)" if cpu_kernel
+                                             else " (Pallas interpreter: times are not kernel speed)")
+    dtype = jnp.dtype(ns.dtype or ("bfloat16" if gpu else "float32"))
     rows = []
     if ns.only in (None, "attention"):
-        rows += bench_attention(quick, iters, interpret, dtype)
+        rows += bench_attention(ns.quick if cpu_kernel else quick, iters, interpret, dtype,
+                                "cpu" if cpu_kernel else "pallas")
     if ns.only in (None, "sampling"):
         rows += bench_sampling(quick, iters, interpret)
     print_table(rows, device)

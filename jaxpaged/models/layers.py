@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.cpu_rope import rope_angles_cpu
+
 
 def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> Float[Array, "T E"]:
     """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does)."""
@@ -59,12 +61,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
 
 
-def apply_rope(
-    x: Float[Array, "T N D"], positions: Int[Array, "T"], inv_freq: Float[Array, "D/2"]
-) -> Float[Array, "T N D"]:
-    """Rotate-half RoPE (the HF Llama convention), computed in float32."""
+def rope_angles(positions: Int[Array, "T"], inv_freq: Float[Array, "D/2"], *, cpu_kernel: bool = False
+                ) -> tuple[Float[Array, "T D/2"], Float[Array, "T D/2"]]:
+    """cos and sin of each token's rotary angles, once per step for every layer's rotations. cpu_kernel: from the
+    C++ call (`pallas_kernels.cpu_rope`), so XLA:CPU does not take cos/sin again inside each rotation."""
+    if cpu_kernel:
+        return rope_angles_cpu(positions, inv_freq)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(
+    x: Float[Array, "T N D"], angles: tuple[Float[Array, "T D/2"], Float[Array, "T D/2"]]
+) -> Float[Array, "T N D"]:
+    """Rotate-half RoPE (the HF Llama convention) by `rope_angles`' cos and sin, computed in float32."""
+    cos, sin = angles[0][:, None, :], angles[1][:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -23,7 +23,7 @@ from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
 from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
-from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_inv_freq
+from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_angles, rope_inv_freq
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
 LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
@@ -97,6 +97,7 @@ def forward(
                                out_specs=(heads, POOL_SPEC), check_vma=False)
     kv_scale = params.get("kv_scale")  # [L, 2, KH] fp8 KV scales (models/kv_scales.py), or None
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    angles = rope_angles(meta.positions, inv_freq, cpu_kernel=attention_backend == "cpu" and mesh is None)
     x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
 
     def layer(carry, xs):
@@ -107,8 +108,8 @@ def forward(
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
-        q = apply_rope(q.reshape(t, h, d), meta.positions, inv_freq)
-        k = apply_rope(k.reshape(t, kh, d), meta.positions, inv_freq)
+        q = apply_rope(q.reshape(t, h, d), angles)
+        k = apply_rope(k.reshape(t, kh, d), angles)
         v = v.reshape(t, kh, d)
         if kv_scale is not None:  # the pool holds K / k_scale and V / v_scale: fold k_scale into q
             ks, vs = kv_scale[idx, 0], kv_scale[idx, 1]  # [KH]
