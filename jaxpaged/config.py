@@ -204,8 +204,8 @@ def resolve_attention_backend(name: str) -> str:
             and cpu_rope.available()):
         return "cpu"
     if name == "cpu":
-        raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the kernel "
-                         "(see the log); use 'auto' or 'reference'")
+        raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the CPU kernels "
+                         "(attention and rotary tables; see the log); use 'auto' or 'reference'")
     return resolve_kernel_backend(name)
 
 

@@ -2,13 +2,14 @@
 // pallas_kernels.paged_attention (each token over keys 0..positions[t] of its sequence, read through
 // block_tables[token_seq[t]]), with the loops XLA:CPU cannot fuse written out.
 //
-// Work is cut into items of (a query tile, a KV head): a tile is up to kTileTokens consecutive tokens of one
-// sequence, so a decode row is a tile of one token and a prompt chunk reads each key once per tile. An item
-// walks its keys kKeyChunk at a time: the chunk's K (transposed) and V are widened to float32 into a small
-// buffer, scores for every (token, grouped query head) of the tile, an online softmax, and the weighted V
-// accumulated in float32. Items run on XLA's intra-op thread pool. Pools: float32, or a narrower float
-// stored as integers of its width (pallas_kernels.kv_storage): bf16 <- uint16, f16 <- int16,
-// f8e4m3fn <- uint8, f8e5m2 <- int8 (and the float types themselves).
+// Work is cut into items, one per query tile (all its heads): a tile is up to kTileTokens consecutive tokens of
+// one sequence, so a decode row is a tile of one token and a prompt chunk reads each key once per tile. An item
+// walks its keys kKeyChunk at a time: the chunk's K and V (widened to float32 into a small buffer when the pool
+// is narrower), scores for every (token, grouped query head) of the tile (per-key dot products for up to
+// kFewRows query vectors per KV head, else from the chunk's K transposed), an online softmax over the chunk's
+// 16 keys as one vector, and the weighted V accumulated in float32. Items run on XLA's intra-op thread pool.
+// Pools: float32, or a narrower float stored as integers of its width (pallas_kernels.kv_storage):
+// bf16 <- uint16, f16 <- int16, f8e4m3fn <- uint8, f8e5m2 <- int8 (and the float types themselves).
 //
 // Shapes: q f32[T, H, D]; kv_pool [L, 2, N, bs, KH, D]; layer s32[]; block_tables s32[S, B];
 // token_seq s32[T] (-1: padding, output 0); positions s32[T]. Output f32[T, H, D].
@@ -33,19 +34,25 @@ constexpr int kTileTokens = 16;  // tokens of one sequence per work item
 constexpr int kKeyChunk = 16;    // keys per step of the online softmax
 constexpr float kMasked = -1e30f;
 
-// exp(x) for x <= 0 as a polynomial the compiler vectorizes (std::exp stays a scalar libm call): x = n ln2 + r,
-// |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7); below -87 it returns 0.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(xc * 1.44269504f);
-  const float r = xc - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 in two parts
-  float p = 1.f / 720;
+// e^r for |r| <= ln2/2 by its degree-6 Taylor polynomial (relative error < 2e-7); T: float or a float vector.
+template <typename T>
+inline T exp_reduced(T r) {
+  T p = T{} + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
-  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
+// exp(x) for x <= 0 without a libm call: x = n ln2 + r, |r| <= ln2/2, e^r by `exp_reduced`; below -87 it
+// returns 0.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(xc * 1.44269504f);
+  const float r = xc - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 in two parts
+  const float p = exp_reduced(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
@@ -186,13 +193,7 @@ inline vf vexp_nonpositive(vf x) {
   const vi n = __builtin_convertvector(xc * 1.44269504f - 0.5f, vi);
   const vf nf = __builtin_convertvector(n, vf);
   const vf r = xc - nf * 0.693145752f - nf * 1.42860677e-6f;
-  vf p = splat(1.f / 720);
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const vf p = exp_reduced(r);
   const vf scale = reinterpret_cast<vf>((n + 127) << 23);
   return x < -87.f ? vf{} : p * scale;
 }
@@ -344,7 +345,7 @@ void run_item(const Problem& p, const Tile& tile) {
     }
   for (int64_t r = 0; r < rows; ++r) {
     pos[r] = p.positions[tile.first + r / group];
-    lo[r] = p.sliding_window > 0 ? static_cast<int32_t>(pos[r] - p.sliding_window + 1) : 0;
+    lo[r] = p.sliding_window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, pos[r] - p.sliding_window + 1)) : 0;
   }
   int32_t first_pos = pos[0], last = pos[0];  // the tile's tokens may come in any order
   for (int64_t r = 0; r < rows; ++r) {

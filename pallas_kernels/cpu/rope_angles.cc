@@ -1,5 +1,6 @@
 // cos and sin of each token's rotary angles, as an XLA FFI custom call: angle[t][i] = float(positions[t]) *
-// inv_freq[i] in float32 (as the plain-JAX rotation computes it), its cos and sin taken in double and rounded.
+// inv_freq[i] in float32, its cos and sin in float32 (libm's cosf/sinf, the functions XLA:CPU itself calls for
+// jnp.cos/jnp.sin), so the tables equal the plain-JAX ones.
 // Its own call because XLA:CPU would otherwise fuse cos/sin into every consumer and take them per element,
 // query head and layer through scalar libm calls; the rotations then read these [T, D/2] tables.
 //
@@ -28,9 +29,9 @@ ffi::Error RopeAngles(ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inv
   for (int64_t i = 0; i < t; ++i) {
     const float p = static_cast<float>(pos[i]);
     for (int64_t j = 0; j < h; ++j) {
-      const double angle = static_cast<double>(p * freq[j]);
-      c[i * h + j] = static_cast<float>(std::cos(angle));
-      s[i * h + j] = static_cast<float>(std::sin(angle));
+      const float angle = p * freq[j];
+      c[i * h + j] = std::cos(angle);
+      s[i * h + j] = std::sin(angle);
     }
   }
   return ffi::Error::Success();

@@ -50,7 +50,8 @@ def run_both(x, window=None):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("group", [1, 3, 4, 8])  # tiles of <= 16 query vectors per KV head take the per-key dot
-# path, larger ones (prompt tiles of 3+ heads) the transposed one; "mixed" has row counts that are not a multiple of 4
+# path, larger ones (prompt tiles of 6+ tokens with 3 heads) the transposed one; "mixed" has row counts that are not
+# a multiple of 4
 @needs_kernel
 def test_kernel_matches_reference(case, group):
     x = make_step(np.random.default_rng(group), CASES[case], group=group, kh=2, d=64)
