@@ -24,11 +24,7 @@ TARGET = "jaxpaged_ragged_paged_attention"
 @functools.cache
 def available() -> bool:
     """True once the kernel is built and registered with XLA for the CPU platform."""
-    lib = cpu_build.load("ragged_paged_attention")
-    if lib is None:
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedRaggedPagedAttention), platform="cpu")
-    return True
+    return cpu_build.register("ragged_paged_attention", "JaxpagedRaggedPagedAttention", TARGET)
 
 
 def ragged_paged_attention_cpu(

@@ -96,3 +96,13 @@ def load(name: str) -> ctypes.CDLL | None:
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the XLA path
         logger.warning("could not build the CPU kernel %s (%s): falling back to plain XLA", name, e)
         return None
+
+
+def register(name: str, symbol: str, target: str) -> bool:
+    """Build/load `cpu/{name}.cc` and register its FFI handler `symbol` with XLA as the CPU custom-call `target`;
+    False (logged by `load`) where it cannot be built. Callers cache the answer (`functools.cache`)."""
+    lib = load(name)
+    if lib is None:
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True

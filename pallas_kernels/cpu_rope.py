@@ -22,11 +22,7 @@ TARGET = "jaxpaged_rope_angles"
 @functools.cache
 def available() -> bool:
     """True once the call is built and registered with XLA for the CPU platform."""
-    lib = cpu_build.load("rope_angles")
-    if lib is None:
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedRopeAngles), platform="cpu")
-    return True
+    return cpu_build.register("rope_angles", "JaxpagedRopeAngles", TARGET)
 
 
 def rope_angles_cpu(positions: Int[Array, "T"], inv_freq: Float[Array, "H"]
