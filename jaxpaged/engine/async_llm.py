@@ -118,7 +118,11 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(args), owns_engine=True)
+        """A front over a new engine whose steps have each run once (`LLMEngine.warm_steps`): a server's first
+        requests wait for no step's first run."""
+        engine = LLMEngine.from_engine_args(args)
+        engine.warm_steps()
+        return cls(engine, owns_engine=True)
 
     @property
     def tokenizer(self):

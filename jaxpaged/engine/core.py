@@ -98,6 +98,10 @@ class EngineCore:
             seconds += time.perf_counter() - start
         return seconds
 
+    def warm_steps(self) -> dict[int, float]:
+        """Run every step bucket once before serving (`ModelRunner.warm_steps`); seconds per bucket."""
+        return self.runner.warm_steps()
+
     def close(self) -> None:
         """Free the runner's device state and stop the disk tier's writer (after what it has queued)."""
         self.runner.close()

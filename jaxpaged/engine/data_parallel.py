@@ -118,6 +118,13 @@ class DataParallelCore:
     def warmup(self) -> float:
         return sum(core.warmup() for core in self.replicas)
 
+    def warm_steps(self) -> dict[int, float]:
+        times: dict[int, float] = {}
+        for core in self.replicas:
+            for t, s in core.warm_steps().items():
+                times[t] = times.get(t, 0.0) + s
+        return times
+
     def close(self) -> None:
         for core in self.replicas:
             core.close()

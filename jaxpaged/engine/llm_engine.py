@@ -392,6 +392,17 @@ class LLMEngine:
                     req.pending_forks = []
             self.scheduler.abort_requests(core_ids)
 
+    def warm_steps(self) -> float:
+        """Run every step bucket once on an empty batch, so that the first requests a server takes pay no step's
+        first run (see `ModelRunner.warm_steps`); returns seconds spent."""
+        start = time.perf_counter()
+        times = self.core.warm_steps()
+        seconds = time.perf_counter() - start
+        if times:
+            logger.info("Ran each step bucket once in %.1f s (ms: %s)", seconds,
+                        ", ".join(f"{t}: {1e3 * s:.0f}" for t, s in times.items()))
+        return seconds
+
     def close(self) -> None:
         """Free the device state (compiled steps, KV pool, weights) at once, without waiting for the engine
         to be garbage-collected; the engine cannot step afterwards."""

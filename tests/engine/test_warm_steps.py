@@ -1,0 +1,54 @@
+"""A server's engine runs each step bucket once before its first request, and those runs change no output."""
+
+import numpy as np
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.runner.model_runner import ModelRunner
+from tests.reference import hf_greedy
+from tests.tiny_models import load_hf_model
+
+ARGS = {"max_num_batched_tokens": 64, "num_kv_blocks": 64}
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(2)
+    return [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 40, 63)]
+
+
+def test_async_engine_runs_every_bucket_before_serving(tiny_model_dir, monkeypatch):
+    ran: list[int] = []
+    run_step = ModelRunner.run_step
+
+    def recording(self, t, *args):
+        ran.append(t)
+        return run_step(self, t, *args)
+
+    monkeypatch.setattr(ModelRunner, "run_step", recording)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), **ARGS))
+    try:
+        runner = llm.engine.core.runner
+        assert sorted(ran) == sorted(runner.buckets)  # each bucket once, before any request
+        assert llm.engine.kv_cache_manager.num_free_blocks == 63  # the runs took no block
+    finally:
+        llm.shutdown()
+
+
+def test_warm_runs_change_no_output(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    hf = load_hf_model(path)
+    expected = [hf_greedy(hf, p, 12) for p in prompts()]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7,
+                             repetition_penalty=1.2)
+    outs = []
+    for warm in (False, True):
+        llm = LLM(path, compile_guard=True, **ARGS)
+        if warm:
+            assert llm.engine.warm_steps() > 0
+        got = llm.generate(prompts(), greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == expected
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), sampled, use_tqdm=False)])
+        assert llm.engine.kv_cache_manager.num_free_blocks == 63
+    assert outs[0] == outs[1]
