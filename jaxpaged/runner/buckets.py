@@ -5,19 +5,20 @@ from __future__ import annotations
 import bisect
 
 MIN_TOKEN_BUCKET = 16
-FINE_BUCKETS_UP_TO = 256  # below this, a bucket halfway (1.5x) between powers of two as well
 
 
 def token_buckets(max_num_batched_tokens: int, *, fine: bool = False) -> list[int]:
-    """Powers of two from 16 up to the budget, the budget itself last; fine=True adds 1.5x steps up to 256.
+    """Powers of two from 16 up to the budget, the budget itself last; fine=True adds a bucket halfway (1.5x)
+    between each two.
 
-    Decode batches live in the small sizes, where on CPU a step's cost grows with its padded rows (SmolLM2 on
-    2 cores: 40 rows padded to 64 cost 202 ms a step, to 48 161 ms); above 256, prompt chunks fill the bucket.
+    On CPU a step's cost grows with its padded tokens at every size: decode batches live in the small buckets
+    (SmolLM2 on 2 cores: 40 rows padded to 64 cost 202 ms a step, to 48 161 ms), and a served prompt is
+    prefilled in one step of its length plus the decodes (a 300-token prompt pays 384 tokens, not 512).
     """
     out, t = [], MIN_TOKEN_BUCKET
     while t < max_num_batched_tokens:
         out.append(t)
-        if fine and t < FINE_BUCKETS_UP_TO and t + t // 2 < max_num_batched_tokens:
+        if fine and t + t // 2 < max_num_batched_tokens:
             out.append(t + t // 2)
         t *= 2
     return out + [max_num_batched_tokens]

@@ -10,11 +10,12 @@ def test_powers_of_two_then_the_budget():
     assert token_buckets(16) == [16]
 
 
-def test_fine_buckets_add_halfway_steps_up_to_256():
-    assert token_buckets(1024, fine=True) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024]
+def test_fine_buckets_add_halfway_steps():
+    assert token_buckets(1024, fine=True) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
     assert token_buckets(40, fine=True) == [16, 24, 32, 40]
     assert token_buckets(48, fine=True) == [16, 24, 32, 48]  # the budget is not repeated
     assert pick_token_bucket(token_buckets(1024, fine=True), 33) == 48
+    assert pick_token_bucket(token_buckets(1024, fine=True), 300) == 384  # a served prompt with its decodes
 
 
 def test_the_scheduler_and_runner_share_one_list_and_cpu_gets_fine_buckets():
