@@ -1,6 +1,7 @@
 """A server's engine runs each step bucket once before its first request, and those runs change no output."""
 
 import numpy as np
+import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineArgs
@@ -17,20 +18,23 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 40, 63)]
 
 
-def test_async_engine_runs_every_bucket_before_serving(tiny_model_dir, monkeypatch):
-    ran: list[int] = []
+@pytest.mark.parametrize("dp", [1, 2])
+def test_async_engine_runs_every_bucket_before_serving(tiny_model_dir, monkeypatch, dp):
+    ran: list[tuple[int, int]] = []
     run_step = ModelRunner.run_step
 
     def recording(self, t, *args):
-        ran.append(t)
+        ran.append((id(self), t))
         return run_step(self, t, *args)
 
     monkeypatch.setattr(ModelRunner, "run_step", recording)
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), **ARGS))
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), data_parallel_size=dp, **ARGS))
     try:
-        runner = llm.engine.core.runner
-        assert sorted(ran) == sorted(runner.buckets)  # each bucket once, before any request
-        assert llm.engine.kv_cache_manager.num_free_blocks == 63  # the runs took no block
+        runners = [core.runner for core in llm.engine.core.replicas]
+        # each replica's every bucket once, before any request
+        assert sorted(ran) == sorted((id(r), t) for r in runners for t in r.buckets)
+        for core in llm.engine.core.replicas:
+            assert core.kv_cache_manager.num_free_blocks == 63  # the runs took no block
     finally:
         llm.shutdown()
 
