@@ -121,7 +121,11 @@ class AsyncLLM:
         """A front over a new engine whose steps have each run once (`LLMEngine.warm_steps`): a server's first
         requests wait for no step's first run."""
         engine = LLMEngine.from_engine_args(args)
-        engine.warm_steps()
+        try:
+            engine.warm_steps()
+        except BaseException:
+            engine.close()
+            raise
         return cls(engine, owns_engine=True)
 
     @property

@@ -399,7 +399,7 @@ class LLMEngine:
         times = self.core.warm_steps()
         seconds = time.perf_counter() - start
         if times:
-            logger.info("Ran each step bucket once in %.1f s (ms: %s)", seconds,
+            logger.info("Ran each step bucket once in %.1f s (ms, all replicas: %s)", seconds,
                         ", ".join(f"{t}: {1e3 * s:.0f}" for t, s in times.items()))
         return seconds
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import bisect
 
 MIN_TOKEN_BUCKET = 16
+FINE_BUCKETS_UP_TO = 1024  # the CPU budget's default: larger budgets (chunked prefill off) add no more compiles
 
 
 def token_buckets(max_num_batched_tokens: int, *, fine: bool = False) -> list[int]:
     """Powers of two from 16 up to the budget, the budget itself last; fine=True adds a bucket halfway (1.5x)
-    between each two.
+    between each two up to 1024.
 
     On CPU a step's cost grows with its padded tokens at every size: decode batches live in the small buckets
     (SmolLM2 on 2 cores: 40 rows padded to 64 cost 202 ms a step, to 48 161 ms), and a served prompt is
@@ -18,7 +19,7 @@ def token_buckets(max_num_batched_tokens: int, *, fine: bool = False) -> list[in
     out, t = [], MIN_TOKEN_BUCKET
     while t < max_num_batched_tokens:
         out.append(t)
-        if fine and t + t // 2 < max_num_batched_tokens:
+        if fine and t < FINE_BUCKETS_UP_TO and t + t // 2 < max_num_batched_tokens:
             out.append(t + t // 2)
         t *= 2
     return out + [max_num_batched_tokens]

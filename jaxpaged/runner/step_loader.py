@@ -1,8 +1,9 @@
 """`StepLoader`: the steps read from the step cache, compiled on background threads after warmup returns.
 
 A cached step is a deserialize, a cheap lowering and a compile that XLA's persistent cache answers (~0.4 s a
-bucket on 2 cores, mostly loading the executable); loading all 11 CPU buckets before serving would take longer
-than zeroing the KV pool, which is what a warm start otherwise waits for. So the loads run smallest bucket first
+bucket on 2 cores, mostly loading the executable); loading all 13 CPU buckets before an offline `LLM` returns
+would take longer than zeroing the KV pool, which is what a warm start otherwise waits for (a server waits for
+them: it runs each step once before listening, `LLMEngine.warm_steps`). So the loads run smallest bucket first
 on daemon threads, and `get(t)` returns bucket t's step: at once if loaded, after its load if running, and if not
 yet started, loaded right there on the caller's thread (a step never waits behind other buckets). At interpreter
 exit the loads not started are dropped and the running ones finished, so a short run does not pay for the

@@ -16,6 +16,7 @@ def test_fine_buckets_add_halfway_steps():
     assert token_buckets(48, fine=True) == [16, 24, 32, 48]  # the budget is not repeated
     assert pick_token_bucket(token_buckets(1024, fine=True), 33) == 48
     assert pick_token_bucket(token_buckets(1024, fine=True), 300) == 384  # a served prompt with its decodes
+    assert token_buckets(8192, fine=True)[-4:] == [1024, 2048, 4096, 8192]  # (chunked prefill off: few compiles)
 
 
 def test_the_scheduler_and_runner_share_one_list_and_cpu_gets_fine_buckets():
