@@ -103,8 +103,9 @@ class SchedulerConfig:
     # Prompt tokens a step may carry beside running decodes (0: no cap, the whole budget), so streams keep a
     # short inter-token latency while prompts arrive; the step is then filled up to its token bucket.
     max_prefill_tokens_with_decodes: int = 0
-    # Token buckets with 1.5x steps between powers of two up to 1024 (runner/buckets.py): on CPU a step's cost
-    # grows with its padded tokens; on GPU small steps cost about the same, so the extra compiles buy nothing.
+    # Token buckets with 1.5x steps between powers of two up to 1024, from 8 under a serving budget (buckets.py):
+    # on CPU a step's cost grows with its padded tokens; on GPU small steps cost about the same, so the extra
+    # compiles buy nothing.
     fine_token_buckets: bool = False
     # Slots reserved past a decode's tokens (speculative decoding with a draft model: the draft model writes the
     # KV of the drafts it proposes there, after the step)
