@@ -6,13 +6,14 @@ import bisect
 
 MIN_TOKEN_BUCKET = 16
 FINE_BUCKETS_UP_TO = 1024  # the CPU budget's default: larger budgets (chunked prefill off) add no more compiles
-# fine buckets under a serving budget (>= this) start at 8: a few decoding requests pay for a few rows
+# fine buckets under a serving budget (>= this) start at 8: a few decoding requests pay for a few rows; smaller
+# budgets (tests, tiny configs) keep 16 and two compiles fewer
 SMALL_BUCKETS_FROM_BUDGET = 512
 
 
 def token_buckets(max_num_batched_tokens: int, *, fine: bool = False) -> list[int]:
     """Powers of two from 16 up to the budget, the budget itself last; fine=True adds a bucket halfway (1.5x)
-    between each two up to 1024, and with a budget of 512 or more starts at 8.
+    between each two up to 1024 and, with a budget of 512 or more, starts at 8 (8, 12, 16, ...).
 
     On CPU a step's cost grows with its padded tokens at every size: decode batches live in the small buckets
     (SmolLM2 on 2 cores: 40 rows padded to 64 cost 202 ms a step, to 48 161 ms; a served model often decodes
