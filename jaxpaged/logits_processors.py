@@ -12,6 +12,7 @@ gets them back for free. Each feature runs under `lax.cond`, so batches without 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -52,6 +53,14 @@ class ProcessorInputs:
     min_p: Float[Array, "S"]
     use_bias: Bool[Array, "S"]
     suppress_stop: Bool[Array, "S"]  # fewer than min_tokens generated: EOS and stop ids masked
+
+    def head(self, k: int) -> ProcessorInputs:
+        """The first k sequence rows' inputs (the per-token and per-slot ones unchanged)."""
+        return dataclasses.replace(self, **{f: getattr(self, f)[:k] for f in _ROW_FIELDS})
+
+
+_ROW_FIELDS = ("row_slot", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "use_bias",
+               "suppress_stop")
 
 
 def update_row_state(state: RowState, p: ProcessorInputs, token_ids: Int[Array, "T"]) -> RowState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -25,6 +26,11 @@ class SamplingMetadata:
     steps: Int[Array, "S"]  # index of the output token being drawn
     num_logprobs: Int[Array, "S"]  # -1: no logprobs; k >= 0: the sampled token and the top k
     processors: ProcessorInputs
+
+    def head(self, k: int) -> SamplingMetadata:
+        """The first k rows' settings (every field but the processors' is per row)."""
+        rows = {f.name: getattr(self, f.name)[:k] for f in dataclasses.fields(self) if f.name != "processors"}
+        return SamplingMetadata(**rows, processors=self.processors.head(k))
 
 
 @jax.tree_util.register_dataclass
