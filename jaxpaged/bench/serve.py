@@ -34,6 +34,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    sent: float = 0.0  # perf_counter when the request was sent
 
     @property
     def tpot(self) -> float | None:
@@ -47,7 +48,7 @@ async def send_one(session, url: str, model: str, prompt, max_tokens: int, api_k
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
-    start = last = time.perf_counter()
+    start = last = res.sent = time.perf_counter()
     try:
         async with session.post(url, json=body, headers=headers) as r:
             if r.status != 200:
@@ -188,6 +189,12 @@ def summarize(results: list[RequestResult], duration: float, ns, request_rate: f
         "request_rate": request_rate, "max_concurrency": ns.max_concurrency, "num_prompts": ns.num_prompts,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
+    if getattr(ns, "save_detailed", False):  # per request, in sending order (vLLM's --save-detailed)
+        first = min((r.sent for r in results), default=0.0)
+        summary.update(start_times=[r.sent - first for r in results], input_lens=[r.prompt_len for r in results],
+                       output_lens=[r.output_tokens for r in results],
+                       ttfts=[r.ttft if r.ok else None for r in results], itls=[r.itl for r in results],
+                       request_errors=[r.error for r in results])
     return summary
 
 
@@ -247,6 +254,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-model", default=None, help="with --disagg: the model the servers load (default: the "
                                                        "default model)")
     p.add_argument("--serve-args", default="", help="with --disagg: more `jaxpaged serve` flags for every instance")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also write each request's send time, prompt and output length, TTFT, inter-token "
+                        "latencies and error to the JSON")
     p.add_argument("--label", default=None, help="the server's name in the JSON and the sweep table")
     p.add_argument("--output-json", default="bench_results/serve.json")
 
