@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
 from jaxpaged.core.kv_shares import KVShares
+from jaxpaged.core.step_costs import StepCosts
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.buckets import pick_token_bucket
 
@@ -165,6 +166,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._buckets = config.token_buckets()  # the runner's padded step sizes
         self.shares: KVShares | None = None  # tenants' KV shares (core/kv_shares.py), when the server has tenants
+        self.step_costs: StepCosts | None = None  # measured step times (set_step_costs)
 
     def set_kv_shares(self, shares: dict[str, tuple[float, float]] | None) -> None:
         """Enforce tenants' (min, max) fractions of the KV pool from now on (None: no tenants)."""
@@ -420,21 +422,38 @@ class Scheduler:
         if samples:
             req.num_output_placeholders += 1
 
+    def set_step_costs(self, seconds: dict[int, float] | None) -> None:
+        """Each token bucket's measured step time (`ModelRunner.warm_steps`), or None: from now on a step carries
+        fewer prompt tokens where filling a smaller bucket exactly finishes them sooner (`StepCosts`)."""
+        self.step_costs = StepCosts(seconds) if seconds else None
+
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens the step may carry: with requests decoding and `max_prefill_tokens_with_decodes` set,
-        that many, plus what still fits in the padded step (the token bucket the decodes and the cap need)."""
+        that many, plus what still fits in the padded step (the token bucket the decodes and the cap need); with
+        measured step times, possibly fewer (`StepCosts.prompt_tokens`)."""
         cap = self.config.max_prefill_tokens_with_decodes
-        if not cap or not self.running:
+        costs = self.step_costs if self.config.enable_chunked_prefill else None  # (unchunked: a prompt comes whole)
+        if costs is None and (not cap or not self.running):
             return budget
-        decodes = 0
+        decodes = ready = 0
         for r in self.running:
-            if (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
-                    - r.num_computed_tokens) == 1:
+            n = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+                 - r.num_computed_tokens)
+            if n == 1:
                 decodes += 1 + len(r.spec_token_ids)
-        if not decodes:
-            return budget
+            elif n > 1 and not r.hold_output:
+                ready += n
         decodes = min(decodes, budget)
-        return pick_token_bucket(self._buckets, min(decodes + cap, budget)) - decodes
+        limit = budget
+        if cap and decodes:
+            limit = pick_token_bucket(self._buckets, min(decodes + cap, budget)) - decodes
+        if costs is None:
+            return limit
+        for r in self.waiting:  # (enough of the queue to know whether the step fills up)
+            if ready > limit:
+                break
+            ready += r.num_tokens - r.num_computed_tokens
+        return costs.prompt_tokens(decodes, ready, limit) if ready else limit
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first

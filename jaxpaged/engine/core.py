@@ -99,8 +99,11 @@ class EngineCore:
         return seconds
 
     def warm_steps(self) -> dict[int, float]:
-        """Run every step bucket once before serving (`ModelRunner.warm_steps`); seconds per bucket."""
-        return self.runner.warm_steps()
+        """Run every step bucket before serving (`ModelRunner.warm_steps`) and give the scheduler their times
+        (it plans prompt chunks with them, `StepCosts`); seconds per bucket."""
+        times = self.runner.warm_steps()
+        self.scheduler.set_step_costs(times)
+        return times
 
     def close(self) -> None:
         """Free the runner's device state and stop the disk tier's writer (after what it has queued)."""

@@ -119,7 +119,8 @@ class DataParallelCore:
         return sum(core.warmup() for core in self.replicas)
 
     def warm_steps(self) -> dict[int, float]:
-        """Each replica's steps once; seconds per bucket, summed over the replicas (they run one after another)."""
+        """Each replica's steps (`EngineCore.warm_steps`); steady seconds per bucket, summed over the replicas
+        (they run one after another)."""
         times: dict[int, float] = {}
         for core in self.replicas:
             for t, s in core.warm_steps().items():

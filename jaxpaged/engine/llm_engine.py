@@ -393,13 +393,13 @@ class LLMEngine:
             self.scheduler.abort_requests(core_ids)
 
     def warm_steps(self) -> float:
-        """Run every step bucket once on an empty batch, so that the first requests a server takes pay no step's
-        first run (see `ModelRunner.warm_steps`); returns seconds spent."""
+        """Run every step bucket on an empty batch, so that the first requests a server takes pay no step's
+        first run, and time them for the scheduler (see `ModelRunner.warm_steps`); returns seconds spent."""
         start = time.perf_counter()
         times = self.core.warm_steps()
         seconds = time.perf_counter() - start
         if times:
-            logger.info("Ran each step bucket once in %.1f s (ms, all replicas: %s)", seconds,
+            logger.info("Ran each step bucket in %.1f s; steady step times (ms, all replicas): %s", seconds,
                         ", ".join(f"{t}: {1e3 * s:.0f}" for t, s in times.items()))
         return seconds
 

@@ -1,4 +1,5 @@
-"""A server's engine runs each step bucket once before its first request, and those runs change no output."""
+"""A server's engine runs and times each step bucket before its first request; those runs change no output, and
+prompt chunks planned with the times neither."""
 
 import numpy as np
 import pytest
@@ -31,10 +32,11 @@ def test_async_engine_runs_every_bucket_before_serving(tiny_model_dir, monkeypat
     llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), data_parallel_size=dp, **ARGS))
     try:
         runners = [core.runner for core in llm.engine.core.replicas]
-        # each replica's every bucket once, before any request
-        assert sorted(ran) == sorted((id(r), t) for r in runners for t in r.buckets)
+        # each replica's every bucket, once to warm it and twice timed, before any request
+        assert sorted(ran) == sorted((id(r), t) for r in runners for t in r.buckets for _ in range(3))
         for core in llm.engine.core.replicas:
             assert core.kv_cache_manager.num_free_blocks == 63  # the runs took no block
+            assert sorted(core.scheduler.step_costs.seconds) == core.runner.buckets  # the scheduler has their times
     finally:
         llm.shutdown()
 
@@ -56,3 +58,26 @@ def test_warm_runs_change_no_output(tiny_model_dir):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), sampled, use_tqdm=False)])
         assert llm.engine.kv_cache_manager.num_free_blocks == 63
     assert outs[0] == outs[1]
+
+
+def test_prompt_chunks_planned_with_step_costs_change_no_output(tiny_model_dir, monkeypatch):
+    """Step times where a 64-token step costs much more than a 32- and a 16-token one: prompts are split to fill
+    the smaller buckets exactly, and the greedy tokens stay HF's."""
+    path = tiny_model_dir("llama")
+    hf = load_hf_model(path)
+    llm = LLM(path, compile_guard=True, **ARGS)
+    llm.engine.core.scheduler.set_step_costs({16: 0.01, 32: 0.02, 64: 0.1})
+    steps = []
+    execute = llm.engine.core.runner.prepare
+
+    def recording(out):
+        steps.append(sorted(out.num_new_tokens))
+        return execute(out)
+
+    monkeypatch.setattr(llm.engine.core.runner, "prepare", recording)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = llm.generate(prompts(), greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p, 12) for p in prompts()]
+    # the 125 prompt tokens (5, 17, 40, 63): the first step fills 32 tokens exactly (5 + 17 + 10 of the 40), not
+    # all 64 of the budget; the 40-token prompt's last 30 come beside two decodes in the next
+    assert steps[:2] == [[5, 10, 17], [1, 1, 30]]
