@@ -440,7 +440,8 @@ class Scheduler:
             n = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
                  - r.num_computed_tokens)
             if n == 1:
-                decodes += 1 + len(r.spec_token_ids)
+                if not (r.num_output_placeholders and self._at_limit(r, r.num_output_placeholders)):
+                    decodes += 1 + len(r.spec_token_ids)  # (not one whose token in flight may be its last)
             elif n > 1 and not r.hold_output:
                 ready += n
         decodes = min(decodes, budget)

@@ -295,3 +295,13 @@ def test_a_capped_prompt_still_finishes_and_decodes():
     chunks = [next(x.num_new_tokens for x in step(s).scheduled if x.request is r2) for _ in range(5)]
     assert chunks == [15, 15, 15, 15, 1]  # 1 decode + cap 1 -> bucket 16 -> 15 prompt tokens a step
     assert r2.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_request_whose_token_in_flight_may_be_its_last_does_not_count_as_decoding_for_the_cap():
+    s = make(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8, max_num_seqs=8, max_model_len=512)
+    s.add_request(req("r1", 4, max_tokens=2, ignore_eos=True))
+    s.schedule()  # (async: no results yet) the prompt, drawing output 1
+    s.schedule()  # output 2, its last, in flight
+    s.add_request(req("r2", 100, max_tokens=50))
+    # r1 waits for its last token: nothing decodes in this step, so the prompt is not capped (15 with a decode)
+    assert [(x.request.request_id, x.num_new_tokens) for x in s.schedule().scheduled] == [("r2", 64)]
