@@ -10,14 +10,16 @@ def test_powers_of_two_then_the_budget():
     assert token_buckets(16) == [16]
 
 
-def test_fine_buckets_add_halfway_steps_and_start_at_8_under_a_serving_budget():
-    assert token_buckets(1024, fine=True) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+def test_fine_buckets_add_halfway_steps_and_under_a_serving_budget_start_at_8_with_quarters_from_256():
+    assert token_buckets(1024, fine=True) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512,
+                                              768, 1024]
+    assert token_buckets(512, fine=True)[-5:] == [256, 320, 384, 448, 512]
     assert token_buckets(256, fine=True) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert token_buckets(40, fine=True) == [16, 24, 32, 40]
     assert token_buckets(48, fine=True) == [16, 24, 32, 48]  # the budget is not repeated
     assert pick_token_bucket(token_buckets(1024, fine=True), 33) == 48
     assert pick_token_bucket(token_buckets(1024, fine=True), 5) == 8  # a few requests decoding
-    assert pick_token_bucket(token_buckets(1024, fine=True), 300) == 384  # a served prompt with its decodes
+    assert pick_token_bucket(token_buckets(1024, fine=True), 300) == 320  # a served prompt with its decodes
     assert token_buckets(8192, fine=True)[-4:] == [1024, 2048, 4096, 8192]  # (chunked prefill off: few compiles)
 
 
