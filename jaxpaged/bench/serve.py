@@ -189,7 +189,7 @@ def summarize(results: list[RequestResult], duration: float, ns, request_rate: f
         "request_rate": request_rate, "max_concurrency": ns.max_concurrency, "num_prompts": ns.num_prompts,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
-    if getattr(ns, "save_detailed", False):  # per request, in sending order (vLLM's --save-detailed)
+    if getattr(ns, "save_detailed", False):  # per request, in the workload's order (vLLM's --save-detailed)
         first = min((r.sent for r in results), default=0.0)
         summary.update(start_times=[r.sent - first for r in results], input_lens=[r.prompt_len for r in results],
                        output_lens=[r.output_tokens for r in results],

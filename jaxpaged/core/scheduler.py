@@ -132,6 +132,10 @@ class WaitingQueue:
     def __iter__(self):
         return iter(self._fifo) if self.policy == "fcfs" else (e[2] for e in sorted(self._heap))
 
+    def unordered(self):
+        """The waiting requests in no particular order (without sorting the heap)."""
+        return iter(self._fifo) if self.policy == "fcfs" else (e[2] for e in self._heap)
+
     def add(self, req: Request, *, front: bool = False) -> None:
         if self.policy == "fcfs":
             self._fifo.appendleft(req) if front else self._fifo.append(req)
@@ -424,8 +428,10 @@ class Scheduler:
 
     def set_step_costs(self, seconds: dict[int, float] | None) -> None:
         """Each token bucket's measured step time (`ModelRunner.warm_steps`), or None: from now on a step carries
-        fewer prompt tokens where filling a smaller bucket exactly finishes them sooner (`StepCosts`)."""
-        self.step_costs = StepCosts(seconds) if seconds else None
+        fewer prompt tokens where filling a smaller bucket exactly finishes them sooner (`StepCosts`). Times
+        where that never happens (a GPU's: small steps cost about the same) are dropped."""
+        costs = StepCosts(seconds) if seconds else None
+        self.step_costs = costs if costs is not None and costs.can_split() else None
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens the step may carry: with requests decoding and `max_prefill_tokens_with_decodes` set,
@@ -437,12 +443,10 @@ class Scheduler:
             return budget
         decodes = ready = 0
         for r in self.running:
-            n = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
-                 - r.num_computed_tokens)
+            n = self._num_to_compute(r)  # (0 for one whose token in flight may be its last: it is not scheduled)
             if n == 1:
-                if not (r.num_output_placeholders and self._at_limit(r, r.num_output_placeholders)):
-                    decodes += 1 + len(r.spec_token_ids)  # (not one whose token in flight may be its last)
-            elif n > 1 and not r.hold_output:
+                decodes += 1 + len(r.spec_token_ids)
+            elif n > 1:
                 ready += n
         decodes = min(decodes, budget)
         limit = budget
@@ -450,7 +454,7 @@ class Scheduler:
             limit = pick_token_bucket(self._buckets, min(decodes + cap, budget)) - decodes
         if costs is None:
             return limit
-        for r in self.waiting:  # (enough of the queue to know whether the step fills up)
+        for r in self.waiting.unordered():  # (enough of the queue to know whether the step fills up)
             if ready > limit:
                 break
             ready += r.num_tokens - r.num_computed_tokens

@@ -477,16 +477,16 @@ class ModelRunner:
     def warm_steps(self, timed_runs: int = 2) -> dict[int, float]:
         """Run each bucket's step on an empty batch, so that no request pays a step's first run: on CPU that run
         costs 2-10x a later one (SmolLM2 bf16: 512 tokens 454 vs 214 ms, 16 tokens 130 vs 20 ms), and a step
-        still loading from the step cache is waited for here. Then `timed_runs` more; returns each bucket's
-        fastest of those (seconds; the first run's with timed_runs=0)."""
+        still loading from the step cache is waited for here. Then, every step loaded, `timed_runs` more of
+        each; returns each bucket's fastest of those (seconds; the first run's with timed_runs=0). The empty
+        batch draws no token, so its LM head and sampler run on the fewest rows (`sample_rows`)."""
         if self.stub:
             return {}
-        times = {}
-        for t in self.buckets:
-            inp = self._template(t)
-            first = self._run_empty(t, inp)
-            times[t] = min((self._run_empty(t, inp) for _ in range(timed_runs)), default=first)
-        return times
+        inputs = {t: self._template(t) for t in self.buckets}
+        first = {t: self._run_empty(t, inp) for t, inp in inputs.items()}
+        self.wait_for_steps()  # (a load still running beside a timed run would slow it)
+        return {t: min((self._run_empty(t, inp) for _ in range(timed_runs)), default=first[t])
+                for t, inp in inputs.items()}
 
     def time_buckets(self, up_to: int) -> dict[int, tuple[float, float]]:
         """Seconds a step of each token bucket up to `up_to` takes without and with drafts to verify (an empty

@@ -1,7 +1,7 @@
 """`StepLoader`: the steps read from the step cache, compiled on background threads after warmup returns.
 
 A cached step is a deserialize, a cheap lowering and a compile that XLA's persistent cache answers (~0.4 s a
-bucket on 2 cores, mostly loading the executable); loading all 15 CPU buckets before an offline `LLM` returns
+bucket on 2 cores, mostly loading the executable); loading all 17 CPU buckets before an offline `LLM` returns
 would take longer than zeroing the KV pool, which is what a warm start otherwise waits for (a server waits for
 them: it runs each step once before listening, `LLMEngine.warm_steps`). So the loads run smallest bucket first
 on daemon threads, and `get(t)` returns bucket t's step: at once if loaded, after its load if running, and if not

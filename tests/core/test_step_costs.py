@@ -10,6 +10,13 @@ CPU = {16: 0.030, 32: 0.050, 64: 0.100}
 GPU = {16: 0.010, 32: 0.010, 64: 0.011}  # small steps cost about the same
 
 
+def test_times_where_no_split_can_pay_are_dropped():
+    assert StepCosts(CPU).can_split() and not StepCosts(GPU).can_split()
+    s = make(max_num_batched_tokens=64)
+    s.set_step_costs(GPU)
+    assert s.step_costs is None
+
+
 def test_costs_are_made_non_decreasing():
     assert StepCosts({16: 0.03, 32: 0.02, 64: 0.1}).seconds == {16: 0.02, 32: 0.02, 64: 0.1}
     with pytest.raises(ValueError, match="at least one bucket"):

@@ -53,6 +53,7 @@ def test_warm_runs_change_no_output(tiny_model_dir):
         llm = LLM(path, compile_guard=True, **ARGS)
         if warm:
             assert llm.engine.warm_steps() > 0
+            llm.engine.core.scheduler.set_step_costs(None)  # (chunks planned on measured times vary run to run)
         got = llm.generate(prompts(), greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == expected
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), sampled, use_tqdm=False)])
