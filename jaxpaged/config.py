@@ -304,8 +304,8 @@ class EngineArgs:
     coordinator_address: str | None = _flag(None, "HOST:PORT where process 0 coordinates the processes")
     max_prefill_tokens_with_decodes: int | None = _flag(
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
-              "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 320 on CPU (beside a "
-              "few decodes: steps of at most 384 tokens)")
+              "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 320 on "
+              "CPU (beside a few decodes: steps of at most 384 tokens)")
 
     @classmethod
     def field_names(cls) -> set[str]:

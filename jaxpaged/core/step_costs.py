@@ -1,9 +1,9 @@
 """Measured step times per token bucket, and the prompt tokens a step should carry given them.
 
 A step is padded to its token bucket, so on a CPU (where a step's time follows its padded tokens) a prompt
-just past a bucket pays for the padding: SmolLM2 float32 on 2 cores, a 268-token prompt beside 4 decodes
-fills a 384-token step (~247 ms) though a 256-token step (~177 ms) and a 24-token one for the last 16
-(~36 ms) finish it sooner, and the decodes get two tokens instead of one. With each bucket's time measured
+just past a bucket pays for the padding: SmolLM2 float32 on 2 cores with the 1.5x buckets, a 260-token prompt
+beside 4 decodes filled a 384-token step (228 ms measured) though a 256-token step (164 ms) and a 12-token one
+for the last 8 (29 ms) finish it sooner, and the decodes get two tokens instead of one. With each bucket's time measured
 (`ModelRunner.warm_steps`, before serving), the scheduler picks, among "all it may take" and "exactly fill a
 smaller bucket", the split that finishes the waiting prompt tokens first. On a GPU, where small steps cost
 about the same, it keeps taking all it may.

@@ -35,13 +35,19 @@ def test_prompt_tokens(decodes, ready, limit, expected):
     assert StepCosts(GPU).prompt_tokens(decodes, ready, limit) == limit
 
 
-def test_scheduler_fills_the_smaller_bucket_and_finishes_the_prompt_next():
-    s = make(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
-    s.set_step_costs(CPU)
-    for rid in ("r1", "r2", "r3"):
-        s.add_request(req(rid, 4, max_tokens=50))
+def beside_decodes(costs, num_decodes: int, prompt_len: int, **cfg):
+    """A scheduler (budget 64) with `costs`, `num_decodes` requests decoding, and a prompt just arrived."""
+    s = make(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, "max_model_len": 512, **cfg})
+    s.set_step_costs(costs)
+    for i in range(num_decodes):
+        s.add_request(req(f"r{i + 1}", 4, max_tokens=50))
     step(s)
-    s.add_request(req("r4", 37, max_tokens=50))
+    s.add_request(req(f"r{num_decodes + 1}", prompt_len, max_tokens=50))
+    return s
+
+
+def test_scheduler_fills_the_smaller_bucket_and_finishes_the_prompt_next():
+    s = beside_decodes(CPU, 3, 37)
     out = step(s)
     assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [
         ("r1", 1, True), ("r2", 1, True), ("r3", 1, True), ("r4", 29, False)]
@@ -52,22 +58,13 @@ def test_scheduler_fills_the_smaller_bucket_and_finishes_the_prompt_next():
 
 def test_without_costs_or_with_flat_ones_the_prompt_is_taken_whole():
     for costs in (None, GPU):
-        s = make(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
-        s.set_step_costs(costs)
-        s.add_request(req("r1", 4, max_tokens=50))
-        step(s)
-        s.add_request(req("r2", 37, max_tokens=50))
-        assert [x.num_new_tokens for x in step(s).scheduled] == [1, 37]
+        assert [x.num_new_tokens for x in step(beside_decodes(costs, 1, 37)).scheduled] == [1, 37]
 
 
 def test_costs_work_with_the_prefill_cap():
     # 1 decode + cap 8 -> bucket 16 -> 15 of the 20 ready prompt tokens may come: no smaller bucket to fill, the
     # cap's chunk stands
-    s = make(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8, max_num_seqs=8, max_model_len=512)
-    s.set_step_costs(CPU)
-    s.add_request(req("r1", 4, max_tokens=50))
-    step(s)
-    s.add_request(req("r2", 20, max_tokens=50))
+    s = beside_decodes(CPU, 1, 20, max_prefill_tokens_with_decodes=8)
     assert [x.num_new_tokens for x in step(s).scheduled] == [1, 15]
 
 
