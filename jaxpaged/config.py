@@ -133,6 +133,7 @@ class EngineConfig:
     sampler_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
+    late_scheduling: bool = False  # (served, with async scheduling) schedule N+1 just before N is predicted to end
     speculative: Any = None  # a SpeculativeConfig (spec_decode/config.py), or None: no speculative decoding
     draft_model_config: ModelConfig | None = None  # speculative decoding with method "draft_model"
     load_format: str = "auto"  # how the weights were read (part of the model's identity in snapshots)
@@ -274,6 +275,9 @@ class EngineArgs:
     share_forked_blocks: bool = _flag(True, "n > 1 samples and beams share KV blocks (copy-on-write)")
     async_scheduling: bool | None = _flag(None, "schedule and prepare step N+1 while the device runs step N; "
                                                 "default: on (measured never slower, see README)")
+    late_scheduling: bool = _flag(True, "serving with async scheduling: schedule step N+1 just before the device "
+                                        "is predicted to finish step N (from step times seen), not as N starts, "
+                                        "so requests arriving meanwhile join N+1 (shorter time to first token)")
     speculative_config: dict | str | None = _flag(
         None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "

@@ -292,6 +292,8 @@ class AsyncLLM:
                     if idle and channel is not None:
                         channel.keepalive()
                     continue
+                if self._wait_to_schedule(core):
+                    continue
                 outputs = core.step()
                 self._outbox.put((outputs, core.last_stats))
         except BaseException as e:  # surface to every waiting stream instead of hanging them
@@ -300,6 +302,17 @@ class AsyncLLM:
             if channel is not None:  # the other processes may wait in a call this one will not make: end them all
                 logger.critical("process 0's engine failed: exiting, which ends the other processes")
                 os._exit(1)
+
+    def _wait_to_schedule(self, core) -> bool:
+        """Late scheduling: sleep until the core's deadline (just before the step in flight ends), taking in
+        requests and aborts as they come; True when messages came (the loop goes round again)."""
+        deadline = core.schedule_deadline()
+        if deadline is None or (left := deadline - time.perf_counter()) <= 0:
+            return False
+        if self._wake.wait(left):
+            self._wake.clear()
+            return True
+        return False
 
     # -- output thread ------------------------------------------------------------------
     def _output_loop(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.engine.step_clock import StepClock
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
@@ -75,6 +76,8 @@ class EngineCore:
                              if self.speculative is not None and self.speculative.adaptive else None)
         self._in_flight: StepHandle | None = None
         self._dispatched_at = 0.0
+        # late scheduling: the next step is scheduled just before the device ends the one in flight
+        self.clock = StepClock() if self.async_scheduling and config.late_scheduling else None
         self.last_stats = StepStats()
 
     @property
@@ -103,6 +106,8 @@ class EngineCore:
         (it plans prompt chunks with them, `StepCosts`); seconds per bucket."""
         times = self.runner.warm_steps()
         self.scheduler.set_step_costs(times)
+        if self.clock is not None:
+            self.clock.seed(times)
         return times
 
     def close(self) -> None:
@@ -116,6 +121,12 @@ class EngineCore:
         finished requests then, and the next step drops them.)"""
         return self.scheduler.has_unfinished_requests()
 
+    def schedule_deadline(self) -> float | None:
+        """With late scheduling, when (perf_counter s) to call `step()` next: just before the device is predicted
+        to finish the step in flight, so that requests arriving until then join the next step (`StepClock`);
+        None: now."""
+        return self.clock.deadline() if self.clock is not None else None
+
     def step(self) -> list[CoreOutput]:
         """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async).
 
@@ -124,6 +135,7 @@ class EngineCore:
         flight's results feed the matchers, and only the masks and the dispatch wait for them."""
         stats = StepStats()
         outputs: list[CoreOutput] = []
+        scheduling_started = time.perf_counter()
         out = self.scheduler.schedule()
         prepared = self.runner.prepare(out)
         if (self.async_scheduling and self._in_flight is not None and self._in_flight.constrained
@@ -132,6 +144,8 @@ class EngineCore:
             self._in_flight = None
         self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
+        if handle is not None and self.clock is not None:
+            self.clock.dispatched(handle.bucket, scheduling_started, time.perf_counter())
         stats.num_preemptions = len(out.preempted_ids)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()
@@ -161,7 +175,10 @@ class EngineCore:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _take_results(self, handle: StepHandle, stats: StepStats) -> list[CoreOutput]:
+        waited = self.clock is not None and not self.runner.is_done(handle)
         result = self.runner.fetch(handle)
+        if self.clock is not None:
+            self.clock.fetched(time.perf_counter(), waited)
         if self.draft_budget is not None:
             self.draft_budget.observe_step(handle.bucket, time.perf_counter() - self._dispatched_at,
                                            handle.plan.num_drafts is not None)

@@ -134,6 +134,10 @@ class DataParallelCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def schedule_deadline(self) -> float | None:
+        """Now: the replicas are stepped in turn (`EngineCore.schedule_deadline` has none)."""
+        return None
+
     def step(self) -> list[CoreOutput]:
         outputs: list[CoreOutput] = []
         stats = StepStats()

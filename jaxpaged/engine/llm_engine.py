@@ -230,6 +230,7 @@ class LLMEngine:
             sampler_backend=sampler_backend,
             share_forked_blocks=args.share_forked_blocks,
             async_scheduling=args.resolved_async_scheduling(),
+            late_scheduling=args.late_scheduling,
             speculative=args.resolved_speculative_config(),
             draft_model_config=draft_config,
             load_format=args.load_format,

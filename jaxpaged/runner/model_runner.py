@@ -591,6 +591,10 @@ class ModelRunner:
             self._free_masks[rows] = self._replicated(jnp.full((rows, self.mask_width), -1, jnp.int32))
         return self._free_masks[rows]
 
+    def is_done(self, handle: StepHandle) -> bool:
+        """Whether a dispatched step has finished (fetching its results would not wait)."""
+        return self.stub or all(leaf.is_ready() for leaf in jax.tree.leaves(handle.result))
+
     def fetch(self, handle: StepHandle) -> StepResult:
         """Wait for a dispatched step and bring its results to the host, in scheduler order."""
         plan, count = handle.plan, len(handle.plan.order)
