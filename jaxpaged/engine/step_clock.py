@@ -7,11 +7,11 @@ scheduling, while the host's work for N+1 still overlaps N on the device.
 
 A bucket's predicted time is the shortest of its recent times (a step that ends later than predicted costs
 nothing: the next one is queued behind it). A step's time is exact when its results were not ready when asked
-for (it ended then) and the step before it ended the same way (it started then, or at its dispatch); otherwise
-the time from its earliest possible start to its fetch bounds it from above. Both enter the record: when a
-prediction was too long the device waited and the step is found done before its predicted end: it records a
-fifth less than the prediction (or its bound, if shorter), and the next is scheduled earlier (scheduling early
-costs less than a waiting device).
+for (it ended then) and it started at a known time (when the step before it ended so, or at its dispatch if
+the device was free by then). When a prediction was too long the device waited, and the step is found done
+before its predicted end: it records a fifth less than the prediction (or less, if its time is known to be
+shorter), and the next is scheduled earlier (scheduling early costs less than a waiting device). A step found
+done later than predicted (fetched late, e.g. after the engine idled) tells nothing.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ class StepClock:
 
     def __init__(self):
         self._times: dict[int, deque[float]] = {}
+        self._seeded: dict[int, float] = {}  # times measured before serving, until a bucket has its own
         self._host: deque[float] = deque(maxlen=WINDOW)  # seconds from starting to schedule to dispatched
         self._flight: deque[tuple[int, float]] = deque()  # (bucket, dispatched at), oldest first
-        self._free_at: float | None = None  # when the last fetched step ended, if known exactly
+        self._last_end = float("-inf")  # when the last fetched step ended (exactly) or by when (it was found done)
+        self._last_end_exact = True
 
     def seed(self, times: dict[int, float]) -> None:
-        """Step times measured before serving (`ModelRunner.warm_steps`, seconds per bucket): a first record."""
-        for bucket, seconds in times.items():
-            self._record(bucket, seconds)
+        """Step times measured before serving (`ModelRunner.warm_steps`, seconds per bucket), used for a bucket
+        until one of its steps is seen (they ran without prompts: no attention work, so shorter than a prefill)."""
+        self._seeded.update(times)
 
     def dispatched(self, bucket: int, scheduling_started: float, now: float) -> None:
         self._host.append(now - scheduling_started)
@@ -44,24 +46,30 @@ class StepClock:
     def fetched(self, now: float, waited: bool) -> None:
         """The oldest step in flight's results came in at `now`; `waited`: they were not ready when asked for."""
         bucket, dispatched = self._flight.popleft()
-        start = dispatched if self._free_at is None else max(dispatched, self._free_at)  # (or later, if not exact)
-        seconds = now - start  # exact when both ends are known, else too long: never too short
-        if not waited and (seen := self._times.get(bucket)) and seconds < min(seen):  # done before its predicted end
-            seconds = min(seconds, SHRINK * min(seen))
-        self._record(bucket, seconds)
-        self._free_at = now if waited else None
+        exact_start = self._last_end_exact or dispatched >= self._last_end
+        start = max(dispatched, self._last_end) if self._last_end_exact else dispatched  # (its earliest start)
+        predicted = self._predicted(bucket)
+        if waited and exact_start:
+            self._record(bucket, now - start)
+        elif not waited and predicted is not None and now - start < predicted:  # done before its predicted end
+            self._record(bucket, min(now - start, SHRINK * predicted))
+        self._last_end, self._last_end_exact = now, waited
 
     def deadline(self) -> float | None:
         """The time (perf_counter s) to start scheduling the next step: just before the device finishes the steps
         in flight; None when nothing is in flight or a step's bucket has no time yet."""
         if not self._flight:
             return None
-        end = self._free_at
+        end = self._last_end if self._last_end_exact else None
         for bucket, dispatched in self._flight:
-            if not (seen := self._times.get(bucket)):
+            if (predicted := self._predicted(bucket)) is None:
                 return None
-            end = (dispatched if end is None else max(dispatched, end)) + min(seen)
+            end = (dispatched if end is None else max(dispatched, end)) + predicted
         return end - max(self._host, default=0.0) - MARGIN_S
 
     def _record(self, bucket: int, seconds: float) -> None:
         self._times.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds)
+
+    def _predicted(self, bucket: int) -> float | None:
+        seen = self._times.get(bucket)
+        return min(seen) if seen else self._seeded.get(bucket)

@@ -37,11 +37,25 @@ def test_a_waited_step_after_a_waited_step_records_its_exact_time():
 
 def test_a_longer_step_does_not_raise_the_prediction():
     clock = StepClock()
+    clock.dispatched(64, 0.0, 0.001)
+    clock.fetched(0.031, waited=True)  # 30 ms
+    clock.dispatched(64, 0.200, 0.201)
+    clock.fetched(0.301, waited=True)  # 100 ms (a slow step): the shortest recent time stays
+    clock.dispatched(64, 0.400, 0.401)
+    assert clock.deadline() == pytest.approx(0.401 + 0.030 - 0.001 - MARGIN_S)
+
+
+def test_a_step_whose_start_is_unknown_records_nothing():
+    """The step before it was found done (it ended some time before its fetch) while this one was queued: this
+    one started then, unknown; waiting for it gives its end only."""
+    clock = StepClock()
     clock.seed({64: 0.030})
     clock.dispatched(64, 0.0, 0.001)
-    clock.fetched(0.101, waited=True)  # 100 ms (a slow step): the shortest recent time stays
-    clock.dispatched(64, 0.200, 0.201)
-    assert clock.deadline() == pytest.approx(0.201 + 0.030 - 0.001 - MARGIN_S)
+    clock.dispatched(64, 0.002, 0.003)
+    clock.fetched(0.040, waited=False)  # step 1 ended by 0.040 (later than predicted: no record)
+    clock.fetched(0.050, waited=True)  # step 2 ended at 0.050, started between 0.003 and 0.040
+    clock.dispatched(64, 0.100, 0.101)
+    assert clock.deadline() == pytest.approx(0.101 + 0.030 - 0.001 - MARGIN_S)
 
 
 def test_a_step_done_before_its_predicted_end_shortens_the_prediction():
@@ -70,3 +84,13 @@ def test_steps_queued_behind_each_other_end_one_after_another():
     clock.dispatched(64, 0.0, 0.001)
     clock.dispatched(128, 0.002, 0.003)
     assert clock.deadline() == pytest.approx(0.001 + 0.030 + 0.050 - 0.001 - MARGIN_S)
+
+
+def test_a_bucket_seen_once_forgets_its_seeded_time():
+    """Warm steps run without prompts (no attention work): a served step's own time replaces the seed."""
+    clock = StepClock()
+    clock.seed({64: 0.020})
+    clock.dispatched(64, 0.0, 0.001)
+    clock.fetched(0.031, waited=True)  # 30 ms served
+    clock.dispatched(64, 0.100, 0.101)
+    assert clock.deadline() == pytest.approx(0.101 + 0.030 - 0.001 - MARGIN_S)
