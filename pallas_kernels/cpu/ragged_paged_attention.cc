@@ -3,11 +3,13 @@
 // block_tables[token_seq[t]]), with the loops XLA:CPU cannot fuse written out.
 //
 // Work is cut into items, one per query tile (all its heads): a tile is up to kTileTokens consecutive tokens of
-// one sequence, so a decode row is a tile of one token and a prompt chunk reads each key once per tile. An item
-// walks its keys kKeyChunk at a time: the chunk's K and V (widened to float32 into a small buffer when the pool
-// is narrower), scores for every (token, grouped query head) of the tile (per-key dot products for up to
-// kFewRows query vectors per KV head, else from the chunk's K transposed), an online softmax over the chunk's
-// 16 keys as one vector, and the weighted V accumulated in float32. Items run on XLA's intra-op thread pool.
+// one sequence, so a decode row is a tile of one token and a prompt chunk reads each key once per tile; items
+// run on XLA's intra-op thread pool, costliest first. An item walks its keys kKeyChunk at a time: the chunk's K
+// and V (widened to float32 into a small buffer when the pool is narrower), scores for every (token, grouped
+// query head) of the tile, an online softmax, and the weighted V accumulated in float32. Up to kFewRows query
+// vectors per KV head (decodes) take per-key dot products and a softmax along each row's keys; more (prompt
+// tiles) keep the queries transposed, so scores come out as vectors over rows and the softmax runs across rows
+// with no horizontal reductions. Vectors are one register wide (16 floats on AVX-512, else 8).
 // Pools: float32, or a narrower float stored as integers of its width (pallas_kernels.kv_storage):
 // bf16 <- uint16, f16 <- int16, f8e4m3fn <- uint8, f8e5m2 <- int8 (and the float types themselves).
 //
@@ -158,36 +160,51 @@ struct Problem {
 
 struct Tile {
   int32_t first, count, seq;
+  int64_t cost;  // ~ its tokens x the keys it reads
 };
 
-// 16 floats: GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2 (two halves) or NEON.
-typedef float vf __attribute__((vector_size(64), aligned(4)));
+// One vector register of floats (GCC/Clang vector extensions: one source for AVX-512, AVX2 or NEON). Generic
+// vectors wider than the machine's registers compile to stack spills (a 16-float vf under AVX2 ran this kernel
+// 20x slower), so the width follows the target.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;  // AVX2: one register; NEON: two
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 typedef float vf4 __attribute__((vector_size(16), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-static_assert(kKeyChunk == 16, "a chunk's scores are one vf");
+constexpr int kChunkVecs = kKeyChunk / kLanes;  // vectors of one row's scores for a chunk
+static_assert(kKeyChunk % kLanes == 0, "a chunk's scores are whole vectors");
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 inline vf splat(float x) { return vf{} + x; }
 
+// The vector's lanes folded to 8 (the lower half plus or max the upper half, AVX-512), then to 4.
+template <typename Op>
+inline vf4 fold4(vf v, Op op) {
+#if defined(__AVX512F__)
+  const vf8 a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  const vf8 a = v;
+#endif
+  return op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+}
+
 inline float hsum(vf v) {
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vf4 b = fold4(v, [](auto x, auto y) { return x + y; });
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 inline float hmax(vf v) {
-  const vf8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const vf8 a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf8 a = a0 > a1 ? a0 : a1;
-  const vf4 b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const vf4 b = b0 > b1 ? b0 : b1;
+  const vf4 b = fold4(v, [](auto x, auto y) { return x > y ? x : y; });
   return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
 }
 
-// exp_nonpositive on 16 lanes (the same polynomial; x * log2(e) rounded by truncating x * log2(e) - 1/2).
+// exp_nonpositive on a vector (the same polynomial; x * log2(e) rounded by truncating x * log2(e) - 1/2).
 inline vf vexp_nonpositive(vf x) {
   const vf xc = x < -87.f ? splat(-87.f) : x;
   const vi n = __builtin_convertvector(xc * 1.44269504f - 0.5f, vi);
@@ -198,8 +215,10 @@ inline vf vexp_nonpositive(vf x) {
   return x < -87.f ? vf{} : p * scale;
 }
 
-// Lane j = the sum of t[j]'s 16 lanes: four rounds of pairwise shuffles and adds (45 operations for 16 sums).
-inline vf reduce16(const vf* t) {
+// Lane j = the sum of t[j]'s lanes, for kLanes vectors t: rounds of pairwise shuffles and adds (AVX-512: 45
+// operations for 16 sums).
+inline vf reduce_lanes(const vf* t) {
+#if defined(__AVX512F__)
   vf x[8], z[4], w[2];
   for (int i = 0; i < 8; ++i)
     x[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -213,57 +232,40 @@ inline vf reduce16(const vf* t) {
            __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf x[4], z[2];
+  for (int i = 0; i < 4; ++i)
+    x[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    z[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 constexpr int kFewRows = 16;  // up to this many query vectors per KV head, scores come from per-key dot products
 
 // Scores s[r][j] = q[r] . k[j] for `rows` query vectors and kKeyChunk keys (k given per key, float32).
-// kNV > 0: head_dim = 16 kNV, in vectors. Few rows (decodes: the grouped heads of one token): per-key products
-// summed by `reduce16`. Many rows (prompt tiles): K transposed once, then four rows at a time, each row's 16
-// scores one vector updated per d.
+// kNV > 0 (head_dim = kLanes kNV, in vectors), at most kFewRows rows (decodes: the grouped heads of one token):
+// per-key products summed by `reduce_lanes`. More rows take `scores_by_rows`.
 template <int kNV>
-inline void scores(const float* q, int64_t rows, const float* const* k, int64_t d_dim, float* kt, float* s) {
+inline void scores(const float* q, int64_t rows, const float* const* k, int64_t d_dim, float* s) {
   if constexpr (kNV > 0) {
-    constexpr int kD = 16 * kNV;
-    if (rows <= kFewRows) {
-      for (int64_t r = 0; r < rows; ++r) {
-        vf qr[kNV], t[kKeyChunk];
-        for (int v = 0; v < kNV; ++v) qr[v] = load(q + r * kD + 16 * v);
-        for (int j = 0; j < kKeyChunk; ++j) {
-          vf a = qr[0] * load(k[j]);
-          for (int v = 1; v < kNV; ++v) a += qr[v] * load(k[j] + 16 * v);
+    constexpr int kD = kLanes * kNV;
+    for (int64_t r = 0; r < rows; ++r) {
+      vf qr[kNV], t[kLanes];
+      for (int v = 0; v < kNV; ++v) qr[v] = load(q + r * kD + kLanes * v);
+      for (int c = 0; c < kChunkVecs; ++c) {
+        for (int j = 0; j < kLanes; ++j) {
+          const float* kj = k[c * kLanes + j];
+          vf a = qr[0] * load(kj);
+          for (int v = 1; v < kNV; ++v) a += qr[v] * load(kj + kLanes * v);
           t[j] = a;
         }
-        store(s + r * kKeyChunk, reduce16(t));
+        store(s + r * kKeyChunk + c * kLanes, reduce_lanes(t));
       }
-      return;
-    }
-    for (int j = 0; j < kKeyChunk; ++j)
-      for (int d = 0; d < kD; ++d) kt[d * kKeyChunk + j] = k[j][d];
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const float *q0 = q + r * kD, *q1 = q0 + kD, *q2 = q1 + kD, *q3 = q2 + kD;
-      vf t0 = {}, t1 = {}, t2 = {}, t3 = {};
-      for (int d = 0; d < kD; ++d) {
-        const vf kd = load(kt + d * kKeyChunk);
-        t0 += q0[d] * kd;
-        t1 += q1[d] * kd;
-        t2 += q2[d] * kd;
-        t3 += q3[d] * kd;
-      }
-      store(s + r * kKeyChunk, t0);
-      store(s + (r + 1) * kKeyChunk, t1);
-      store(s + (r + 2) * kKeyChunk, t2);
-      store(s + (r + 3) * kKeyChunk, t3);
-    }
-    for (; r < rows; ++r) {
-      const float* qr = q + r * kD;
-      vf t0 = {}, t1 = {};  // two chains for the FMA latency
-      for (int d = 0; d < kD; d += 2) {
-        t0 += qr[d] * load(kt + d * kKeyChunk);
-        t1 += qr[d + 1] * load(kt + (d + 1) * kKeyChunk);
-      }
-      store(s + r * kKeyChunk, t0 + t1);
     }
   } else {
     for (int64_t r = 0; r < rows; ++r)
@@ -275,45 +277,139 @@ inline void scores(const float* q, int64_t rows, const float* const* k, int64_t 
   }
 }
 
-// acc[r] = acc[r] * scale[r] + sum_j w[r][j] v[j] over n keys for `rows` rows (w: kKeyChunk per row); with
-// head_dim = 16 kNV, kRows rows at a time with their accumulators in registers.
+// A loaded vector stays in a register: without this GCC folds its load into every FMA that uses it and the
+// loops are bound by loads (x86; prompt tiles' attention 2x faster on AVX-512; elsewhere a no-op).
+inline void keep_in_register(vf& v) {
+#if defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+// acc[r] = acc[r] * scale[r] + sum_j w[r * wr + j * wj] v[j] over n keys for `rows` rows; with head_dim =
+// kLanes kNV, kRows rows at a time with their accumulators in registers (and, AVX-512, the keys' values).
 template <int kNV>
-inline void accumulate(float* acc, int64_t rows, int64_t d_dim, const float* scale, const float* w,
-                       const float* const* v, int n) {
+inline void accumulate(float* acc, int64_t rows, int64_t d_dim, const float* scale, const float* w, int64_t wr,
+                       int64_t wj, const float* const* v, int n) {
   if constexpr (kNV > 0) {
-    constexpr int kD = 16 * kNV, kRows = kNV <= 4 ? 4 : kNV <= 8 ? 2 : 1;
+    constexpr int kD = kLanes * kNV;
+    constexpr int kRows = kLanes == 16 ? (kNV <= 4 ? 4 : kNV <= 8 ? 2 : 1) : kNV <= 6 ? 2 : 1;
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows) {
       vf a[kRows][kNV];
       for (int b = 0; b < kRows; ++b)
-        for (int i = 0; i < kNV; ++i) a[b][i] = load(acc + (r + b) * kD + 16 * i) * scale[r + b];
+        for (int i = 0; i < kNV; ++i) a[b][i] = load(acc + (r + b) * kD + kLanes * i) * scale[r + b];
       for (int j = 0; j < n; ++j) {
         vf vj[kNV];
-        for (int i = 0; i < kNV; ++i) vj[i] = load(v[j] + 16 * i);
+        for (int i = 0; i < kNV; ++i) {
+          vj[i] = load(v[j] + kLanes * i);
+          if constexpr (kLanes == 16) keep_in_register(vj[i]);  // (AVX2 has too few registers)
+        }
         for (int b = 0; b < kRows; ++b) {
-          const float wj = w[(r + b) * kKeyChunk + j];
-          for (int i = 0; i < kNV; ++i) a[b][i] += wj * vj[i];
+          const float wb = w[(r + b) * wr + j * wj];
+          for (int i = 0; i < kNV; ++i) a[b][i] += wb * vj[i];
         }
       }
       for (int b = 0; b < kRows; ++b)
-        for (int i = 0; i < kNV; ++i) store(acc + (r + b) * kD + 16 * i, a[b][i]);
+        for (int i = 0; i < kNV; ++i) store(acc + (r + b) * kD + kLanes * i, a[b][i]);
     }
     for (; r < rows; ++r) {
       vf a[kNV];
-      for (int i = 0; i < kNV; ++i) a[i] = load(acc + r * kD + 16 * i) * scale[r];
+      for (int i = 0; i < kNV; ++i) a[i] = load(acc + r * kD + kLanes * i) * scale[r];
       for (int j = 0; j < n; ++j) {
-        const float wj = w[r * kKeyChunk + j];
-        for (int i = 0; i < kNV; ++i) a[i] += wj * load(v[j] + 16 * i);
+        const float wb = w[r * wr + j * wj];
+        for (int i = 0; i < kNV; ++i) a[i] += wb * load(v[j] + kLanes * i);
       }
-      for (int i = 0; i < kNV; ++i) store(acc + r * kD + 16 * i, a[i]);
+      for (int i = 0; i < kNV; ++i) store(acc + r * kD + kLanes * i, a[i]);
     }
   } else {
     for (int64_t r = 0; r < rows; ++r) {
       float* ar = acc + r * d_dim;
       for (int64_t d = 0; d < d_dim; ++d) ar[d] *= scale[r];
       for (int j = 0; j < n; ++j)
-        for (int64_t d = 0; d < d_dim; ++d) ar[d] += w[r * kKeyChunk + j] * v[j][d];
+        for (int64_t d = 0; d < d_dim; ++d) ar[d] += w[r * wr + j * wj] * v[j][d];
     }
+  }
+}
+
+// ---- prompt tiles: the query rows in vectors ------------------------------------------------------------
+// A tile with more than kFewRows query vectors per KV head keeps them transposed, qt[d][row] with the rows
+// padded to a multiple of kLanes (rp), so each key's scores over kLanes rows are one vector: s[j][row]. K needs
+// no transpose and the online softmax runs across rows, without horizontal reductions.
+
+#if defined(__AVX512F__)
+constexpr int kRowVecs = 4, kKeyGroup = 4;  // 16 accumulators of the 32 vector registers
+#else
+constexpr int kRowVecs = 2, kKeyGroup = 4;  // 8 of AVX2's 16 (NEON: 16 of 32)
+#endif
+
+// s[g][row] = q[row] . k[g] for kKeyGroup keys and the rows of vectors v0 .. v0 + kRV (qt: [kD][rp]; s: rp
+// per key).
+template <int kNV, int kRV>
+inline void score_block(const float* qt, int64_t rp, int64_t v0, const float* const* k, float* s) {
+  constexpr int kD = kLanes * kNV;
+  vf a[kKeyGroup][kRV];
+  for (int g = 0; g < kKeyGroup; ++g)
+    for (int b = 0; b < kRV; ++b) a[g][b] = vf{};
+  for (int d = 0; d < kD; ++d) {
+    vf qv[kRV];
+    for (int b = 0; b < kRV; ++b) {
+      qv[b] = load(qt + d * rp + kLanes * (v0 + b));
+      keep_in_register(qv[b]);
+    }
+    for (int g = 0; g < kKeyGroup; ++g) {
+      const float kd = k[g][d];
+      for (int b = 0; b < kRV; ++b) a[g][b] += kd * qv[b];
+    }
+  }
+  for (int g = 0; g < kKeyGroup; ++g)
+    for (int b = 0; b < kRV; ++b) store(s + g * rp + kLanes * (v0 + b), a[g][b]);
+}
+
+// s[j][row] = q[row] . k[j] for the chunk's kKeyChunk keys and all rp rows.
+template <int kNV>
+inline void scores_by_rows(const float* qt, int64_t rp, const float* const* k, float* s) {
+  const int64_t nv = rp / kLanes;
+  for (int j = 0; j < kKeyChunk; j += kKeyGroup) {
+    const float* const* kg = k + j;
+    float* sg = s + j * rp;
+    int64_t v0 = 0;
+    for (; v0 + kRowVecs <= nv; v0 += kRowVecs) score_block<kNV, kRowVecs>(qt, rp, v0, kg, sg);
+    switch (nv - v0) {  // (kRowVecs <= 4)
+      case 3: score_block<kNV, 3>(qt, rp, v0, kg, sg); break;
+      case 2: score_block<kNV, 2>(qt, rp, v0, kg, sg); break;
+      case 1: score_block<kNV, 1>(qt, rp, v0, kg, sg); break;
+      default: break;
+    }
+  }
+}
+
+// The online softmax of one chunk, kLanes rows at a time: keys key0 + j visible to a row (lo <= key <= pos) keep
+// their scores, the rest weigh 0; s becomes the weights, scale each row's factor for its accumulator, and m, l
+// its running max and sum. A row that sees none of the chunk's keys keeps its state (scale 1, weights 0).
+inline void softmax_by_rows(float* s, int64_t rp, int32_t key0, const int32_t* pos, const int32_t* lo, float* m,
+                            float* l, float* scale) {
+  for (int64_t v = 0; v < rp; v += kLanes) {
+    const vi pv = *reinterpret_cast<const vi*>(pos + v), lv = *reinterpret_cast<const vi*>(lo + v);
+    vf mx = splat(kMasked);
+    for (int j = 0; j < kKeyChunk; ++j) {
+      const vi key = vi{} + (key0 + j);
+      const vf sj = (key <= pv) & (key >= lv) ? load(s + j * rp + v) : splat(kMasked);
+      mx = mx > sj ? mx : sj;
+    }
+    const vf m_old = load(m + v), m_new = m_old > mx ? m_old : mx;
+    const vf sc = vexp_nonpositive(m_old - m_new);
+    vf sum = {};
+    for (int j = 0; j < kKeyChunk; ++j) {
+      const vi key = vi{} + (key0 + j);
+      const vf e = (key <= pv) & (key >= lv) ? vexp_nonpositive(load(s + j * rp + v) - m_new) : vf{};
+      store(s + j * rp + v, e);
+      sum += e;
+    }
+    store(l + v, load(l + v) * sc + sum);
+    store(m + v, m_new);
+    store(scale + v, sc);
   }
 }
 
@@ -321,9 +417,11 @@ template <Kv kind, int kNV>
 void run_item(const Problem& p, const Tile& tile) {
   using Stored = typename Widen<kind>::T;
   constexpr bool kWide = kind == Kv::kF32;
-  const int64_t dd = kNV > 0 ? 16 * kNV : p.head_dim;
+  const int64_t dd = kNV > 0 ? kLanes * kNV : p.head_dim;
   const int64_t kvh = p.kv_heads, group = p.heads / kvh;
   const int64_t rows = tile.count * group;  // query vectors per KV head: (token, grouped head)
+  const bool by_rows = kNV > 0 && rows > kFewRows;  // a prompt tile: queries transposed (`scores_by_rows`)
+  const int64_t rp = by_rows ? (rows + kLanes - 1) / kLanes * kLanes : rows;  // rows stored (padded by rows)
   const Stored* pool = static_cast<const Stored*>(p.pool);
   const int64_t slot_stride = kvh * dd;  // one key's K or V, all heads
   const int64_t block_stride = p.block_size * slot_stride;
@@ -332,16 +430,20 @@ void run_item(const Problem& p, const Tile& tile) {
   const Stored* v_base = k_base + half;
   const int32_t* table = p.tables + static_cast<int64_t>(tile.seq) * p.table_width;
 
-  // Per KV head: its query rows (scaled), softmax state and accumulator. Row r of head h is token r / group,
-  // query head h * group + r % group.
-  std::vector<float> qs(kvh * rows * dd), acc(kvh * rows * dd, 0.f), m(kvh * rows, kMasked), l(kvh * rows, 0.f);
-  std::vector<int32_t> pos(rows), lo(rows);
+  // Per KV head: its query rows (scaled; [row][d], or [d][row] by rows), softmax state and accumulator. Row r of
+  // head h is token r / group, query head h * group + r % group. Padding rows (by rows) see no key.
+  std::vector<float> qs(kvh * rp * dd, 0.f), acc(kvh * rows * dd, 0.f), m(kvh * rp, kMasked), l(kvh * rp, 0.f);
+  std::vector<int32_t> pos(rp, -1), lo(rp, 0);
   for (int64_t h = 0; h < kvh; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = tile.first + r / group, qh = h * group + r % group;
       const float* src = p.q + (t * p.heads + qh) * dd;
-      float* dst = &qs[(h * rows + r) * dd];
-      for (int64_t d = 0; d < dd; ++d) dst[d] = src[d] * p.sm_scale;
+      float* dst = &qs[h * rp * dd];
+      if (by_rows) {
+        for (int64_t d = 0; d < dd; ++d) dst[d * rp + r] = src[d] * p.sm_scale;
+      } else {
+        for (int64_t d = 0; d < dd; ++d) dst[r * dd + d] = src[d] * p.sm_scale;
+      }
     }
   for (int64_t r = 0; r < rows; ++r) {
     pos[r] = p.positions[tile.first + r / group];
@@ -356,8 +458,8 @@ void run_item(const Problem& p, const Tile& tile) {
   if (p.sliding_window > 0) start = std::max<int64_t>(0, first_pos - p.sliding_window + 1);
   start -= start % kKeyChunk;
 
-  std::vector<float> kt(dd * kKeyChunk), kbuf(kWide ? 0 : kKeyChunk * dd), vbuf(kWide ? 0 : kKeyChunk * dd);
-  std::vector<float> s(rows * kKeyChunk), scale(rows);
+  std::vector<float> kbuf(kWide ? 0 : kKeyChunk * dd), vbuf(kWide ? 0 : kKeyChunk * dd);
+  std::vector<float> s(rp * kKeyChunk), scale(rp);
   alignas(64) static thread_local float zeros[512];  // a key slot past the visible ones (its scores are masked)
   std::vector<float> zero_row(dd > 512 ? dd : 0, 0.f);
   const float* zero = dd > 512 ? zero_row.data() : zeros;
@@ -366,7 +468,7 @@ void run_item(const Problem& p, const Tile& tile) {
   const float* kp[kKeyChunk];
   const float* vp[kKeyChunk];
   vi iota;
-  for (int j = 0; j < kKeyChunk; ++j) iota[j] = j;
+  for (int j = 0; j < kLanes; ++j) iota[j] = j;
 
   auto slot_offset = [&](int64_t key) {
     const int64_t b = key / p.block_size;
@@ -381,7 +483,6 @@ void run_item(const Problem& p, const Tile& tile) {
       slot_k[j] = k_base + off;
       slot_v[j] = v_base + off;
     }
-    const vi keys = iota + static_cast<int32_t>(k0);
     for (int64_t h = 0; h < kvh; ++h) {
       for (int j = 0; j < kKeyChunk; ++j) {
         if (j >= n) {
@@ -400,35 +501,52 @@ void run_item(const Problem& p, const Tile& tile) {
           vp[j] = vw;
         }
       }
-      scores<kNV>(&qs[h * rows * dd], rows, kp, dd, kt.data(), s.data());
-      // Online softmax over the chunk, 16 keys of a row at a time: masked keys get weight 0; a row that sees
-      // none of them keeps its state (scale 1, weights 0).
+      float* mh = &m[h * rp];
+      float* lh = &l[h * rp];
+      if (by_rows) {
+        scores_by_rows<kNV>(&qs[h * rp * dd], rp, kp, s.data());
+        softmax_by_rows(s.data(), rp, static_cast<int32_t>(k0), pos.data(), lo.data(), mh, lh, scale.data());
+        accumulate<kNV>(&acc[h * rows * dd], rows, dd, scale.data(), s.data(), 1, rp, vp, n);
+        continue;
+      }
+      scores<kNV>(&qs[h * rp * dd], rows, kp, dd, s.data());
+      // Online softmax over the chunk, a row's keys a vector at a time: masked keys get weight 0; a row that
+      // sees none of them keeps its state (scale 1, weights 0).
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = &s[r * kKeyChunk];
-        const vi visible = (keys <= pos[r]) & (keys >= lo[r]);
-        const vf sv = visible ? load(sr) : splat(kMasked);
-        const float chunk_max = hmax(sv);
+        vi visible[kChunkVecs];
+        vf sv[kChunkVecs];
+        float chunk_max = kMasked;
+        for (int c = 0; c < kChunkVecs; ++c) {
+          const vi keys = iota + static_cast<int32_t>(k0 + c * kLanes);
+          visible[c] = (keys <= pos[r]) & (keys >= lo[r]);
+          sv[c] = visible[c] ? load(sr + c * kLanes) : splat(kMasked);
+          chunk_max = std::max(chunk_max, hmax(sv[c]));
+        }
         if (chunk_max <= kMasked) {
           scale[r] = 1.f;
-          store(sr, vf{});
+          for (int c = 0; c < kChunkVecs; ++c) store(sr + c * kLanes, vf{});
           continue;
         }
-        float& mr = m[h * rows + r];
-        const float m_new = std::max(mr, chunk_max);
-        scale[r] = exp_nonpositive(mr - m_new);
-        const vf e = visible ? vexp_nonpositive(sv - m_new) : vf{};
-        store(sr, e);
-        l[h * rows + r] = l[h * rows + r] * scale[r] + hsum(e);
-        mr = m_new;
+        const float m_new = std::max(mh[r], chunk_max);
+        scale[r] = exp_nonpositive(mh[r] - m_new);
+        float sum = 0.f;
+        for (int c = 0; c < kChunkVecs; ++c) {
+          const vf e = visible[c] ? vexp_nonpositive(sv[c] - m_new) : vf{};
+          store(sr + c * kLanes, e);
+          sum += hsum(e);
+        }
+        lh[r] = lh[r] * scale[r] + sum;
+        mh[r] = m_new;
       }
-      accumulate<kNV>(&acc[h * rows * dd], rows, dd, scale.data(), s.data(), vp, n);
+      accumulate<kNV>(&acc[h * rows * dd], rows, dd, scale.data(), s.data(), kKeyChunk, 1, vp, n);
     }
   }
   for (int64_t h = 0; h < kvh; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = tile.first + r / group, qh = h * group + r % group;
       float* dst = p.out + (t * p.heads + qh) * dd;
-      const float lr = l[h * rows + r];
+      const float lr = l[h * rp + r];
       const float inv = lr > 0.f ? 1.f / lr : 0.f;
       const float* ar = &acc[(h * rows + r) * dd];
       for (int64_t d = 0; d < dd; ++d) dst[d] = ar[d] * inv;
@@ -438,11 +556,11 @@ void run_item(const Problem& p, const Tile& tile) {
 template <Kv kind>
 void run_item_dispatch(const Problem& p, const Tile& tile) {
   switch (p.head_dim) {
-    case 64: return run_item<kind, 4>(p, tile);
-    case 80: return run_item<kind, 5>(p, tile);
-    case 96: return run_item<kind, 6>(p, tile);
-    case 128: return run_item<kind, 8>(p, tile);
-    case 256: return run_item<kind, 16>(p, tile);
+    case 64: return run_item<kind, 64 / kLanes>(p, tile);
+    case 80: return run_item<kind, 80 / kLanes>(p, tile);  // (kLanes 8 or 16 divides each)
+    case 96: return run_item<kind, 96 / kLanes>(p, tile);
+    case 128: return run_item<kind, 128 / kLanes>(p, tile);
+    case 256: return run_item<kind, 256 / kLanes>(p, tile);
     default: return run_item<kind, 0>(p, tile);
   }
 }
@@ -522,9 +640,15 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
     if (seq[t] < 0 || seq[t] >= num_seqs) { ++t; continue; }
     int64_t e = t + 1;
     while (e < num_tokens && e - t < kTileTokens && seq[e] == seq[t]) ++e;
-    tiles.push_back({static_cast<int32_t>(t), static_cast<int32_t>(e - t), seq[t]});
+    int64_t last = 0;
+    for (int64_t i = t; i < e; ++i) last = std::max<int64_t>(last, p.positions[i]);
+    const int64_t keys = p.sliding_window > 0 ? std::min<int64_t>(last + 1, p.sliding_window + e - t) : last + 1;
+    tiles.push_back({static_cast<int32_t>(t), static_cast<int32_t>(e - t), seq[t], (e - t + 4) * keys});
     t = e;
   }
+  // The costliest first (a prompt's last tiles read the most keys): threads that take items in this order end
+  // together, instead of one running the last long tile alone.
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   parallel_for(thread_pool, static_cast<int64_t>(tiles.size()), [&p, &tiles, fn](int64_t i) { fn(p, tiles[i]); });
   return ffi::Error::Success();
 }
