@@ -1,6 +1,9 @@
 """The C++ CPU attention kernel equals the plain-JAX reference; it builds once, and falls back where it cannot."""
 
+import ctypes
 import os
+import platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +117,35 @@ def test_many_tiles_on_the_thread_pool():
     x = make_step(rng, seqs, group=3, kh=3, d=64, table_width=16, num_blocks=1200)
     got, ref = run_both(x)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def _host_has(*flags: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in text for f in flags)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _host_has("avx2", "fma"),
+                    reason="runs an AVX2 build: needs an x86 CPU with AVX2")
+@needs_kernel
+def test_the_avx2_build_matches_the_reference(tmp_path, monkeypatch):
+    """Each machine builds for itself (-march=native), and its vector width decides the code (16 floats on
+    AVX-512, 8 otherwise): an AVX-512 machine checks the AVX2 build here too (every path: decode rows, prompt
+    tiles with remainders, padding rows, a sliding window)."""
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
+                                                  for f in cpu_build.FLAGS))
+    lib = ctypes.CDLL(str(cpu_build._build("ragged_paged_attention", cpu_build._compiler())))
+    target = "jaxpaged_ragged_paged_attention_avx2_test"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedRaggedPagedAttention), platform="cpu")
+    monkeypatch.setattr(cpu_attention, "TARGET", target)
+    for i, (case, group, window) in enumerate([("mixed", 1, None), ("mixed", 3, 13), ("long prefill", 3, None),
+                                                ("long prefill", 8, None), ("edges", 4, None)]):
+        x = make_step(np.random.default_rng(i), CASES[case], group=group, kh=2, d=64)
+        got, ref = run_both(x, window)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel
