@@ -32,6 +32,18 @@ def test_last_position_logits_match_hf(arch, tiny_model_dir, per_layer):
     assert worst < 1e-4
 
 
+def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir):
+    """XLA:CPU's dot transposes a tied [V, E] table at every LM-head call, so per-layer (CPU) float32 params carry
+    an [E, V] copy (the test above holds their logits to HF's); stacked and bf16 params use the table."""
+    path = tiny_model_dir("qwen2")  # (tied)
+    cfg = model_config_from_hf(path, load_hf_config(path), "float32")
+    params = build_model(cfg, per_layer=True).params()
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(params["embed"]).T)
+    assert "lm_head" not in build_model(cfg, per_layer=False).params()
+    bf16 = model_config_from_hf(path, load_hf_config(path), "bfloat16")
+    assert "lm_head" not in build_model(bf16, per_layer=True).params()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir, async_scheduling):
