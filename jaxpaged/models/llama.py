@@ -160,6 +160,11 @@ def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
     return fused.reshape(*fused.shape[:-2], -1)
 
 
+# Tied float32 tables up to this size get an [E, V] copy for the LM head on CPU (SmolLM2-135M: 113 MB, 360M:
+# 189 MB); bigger models, where the head is a smaller share of a step, keep their memory.
+TIED_HEAD_COPY_MAX_BYTES = 256 << 20
+
+
 def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
                  mesh=None) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
@@ -192,7 +197,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
         if all(p in layers for p in parts):
             layers[fused] = _fuse([layers.pop(p) for p in parts], mesh_size(mesh))
     params: dict = {name: put(name, weights[name]) for name in expected if not name.startswith("layers.")}
-    if cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32:
+    if (cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32
+            and weights["embed"].size * 4 <= TIED_HEAD_COPY_MAX_BYTES):
         # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call (58% of
         # the head's time at 8 rows; the head 1.1-2.3 ms faster at 8-16 rows). bf16's tied dot is faster as is.
         params["lm_head"] = put("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))

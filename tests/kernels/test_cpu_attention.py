@@ -138,7 +138,7 @@ def test_the_avx2_build_matches_the_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_build, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
                                                   for f in cpu_build.FLAGS))
     lib = ctypes.CDLL(str(cpu_build._build("ragged_paged_attention", cpu_build._compiler())))
-    target = "jaxpaged_ragged_paged_attention_avx2_test"
+    target = f"jaxpaged_ragged_paged_attention_avx2_test_{tmp_path.name}"  # (a name per run: XLA keeps them)
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedRaggedPagedAttention), platform="cpu")
     monkeypatch.setattr(cpu_attention, "TARGET", target)
     for i, (case, group, window) in enumerate([("mixed", 1, None), ("mixed", 3, 13), ("long prefill", 3, None),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
+from jaxpaged.models import build_model, llama, load_hf_config, model_config_from_hf
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits
 from tests.tiny_models import load_hf_model
 
@@ -32,9 +32,10 @@ def test_last_position_logits_match_hf(arch, tiny_model_dir, per_layer):
     assert worst < 1e-4
 
 
-def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir):
+def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir, monkeypatch):
     """XLA:CPU's dot transposes a tied [V, E] table at every LM-head call, so per-layer (CPU) float32 params carry
-    an [E, V] copy (the test above holds their logits to HF's); stacked and bf16 params use the table."""
+    an [E, V] copy (the test above holds their logits to HF's); stacked and bf16 params, and tables over the
+    size cap, use the table."""
     path = tiny_model_dir("qwen2")  # (tied)
     cfg = model_config_from_hf(path, load_hf_config(path), "float32")
     params = build_model(cfg, per_layer=True).params()
@@ -42,6 +43,8 @@ def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir):
     assert "lm_head" not in build_model(cfg, per_layer=False).params()
     bf16 = model_config_from_hf(path, load_hf_config(path), "bfloat16")
     assert "lm_head" not in build_model(bf16, per_layer=True).params()
+    monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 0)
+    assert "lm_head" not in build_model(cfg, per_layer=True).params()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
