@@ -67,7 +67,7 @@ def tiny_config(arch: str):
     if arch == "mistral-window":  # each token sees itself and the 7 before it
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=8)
     if arch == "llama-long":  # a long context, for streams that outlast what a test waits for
-        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 8192}, tie_word_embeddings=False)
+        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 32768}, tie_word_embeddings=False)
     if arch == "llama-tied":
         return transformers.LlamaConfig(**common, tie_word_embeddings=True)
     if arch == "llama-bytes":  # the byte-level tokenizer's vocabulary; EOS is <|im_end|>

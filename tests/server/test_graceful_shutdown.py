@@ -16,7 +16,7 @@ import urllib.request
 def start_server(model: str, port: int, timeout: float) -> subprocess.Popen:
     env = {**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"}
     return subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
-                             "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
+                             "--num-kv-blocks", "2100", "--max-model-len", "32768", "--max-num-batched-tokens", "64",
                              "--shutdown-timeout", str(timeout)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
 
@@ -57,7 +57,7 @@ def test_sigterm_refuses_new_connections_drains_short_streams_and_cuts_long_ones
         short, long_ = {}, {}
         events = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=stream, args=(base, 40, short, events[0])),
-                   threading.Thread(target=stream, args=(base, 8000, long_, events[1]))]  # outlasts the timeout
+                   threading.Thread(target=stream, args=(base, 30000, long_, events[1]))]  # ~4x the timeout
         for t in threads:
             t.start()
         for e in events:
@@ -104,6 +104,17 @@ def wait_healthy(base: str) -> None:
     raise AssertionError("the server did not start")
 
 
+def wait_running(base: str, n: int) -> None:
+    """Until the server's running-requests gauge reaches n."""
+    for _ in range(600):
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        running = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("jaxpaged:num_requests_running")]
+        if running and running[0] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never ran at once")
+
+
 def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_finishes_them(tiny_model_dir,
                                                                                               tmp_path):
     """Requests running at the timeout are saved; their clients get a 503 saying so; a server started on the same
@@ -115,8 +126,8 @@ def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_f
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    requests = {"greedy": {"prompt": "w5 w6", "max_tokens": 6000, "ignore_eos": True, "temperature": 0},
-                "seeded": {"prompt": "w7 w8 w9", "max_tokens": 5000, "ignore_eos": True, "temperature": 1.0,
+    requests = {"greedy": {"prompt": "w5 w6", "max_tokens": 8000, "ignore_eos": True, "temperature": 0},
+                "seeded": {"prompt": "w7 w8 w9", "max_tokens": 7000, "ignore_eos": True, "temperature": 1.0,
                            "seed": 11, "n": 2}}
     proc = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
                              "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
@@ -129,7 +140,7 @@ def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_f
         threads = [threading.Thread(target=post, args=(base, body, results[k])) for k, body in requests.items()]
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_running(base, 2)  # a fixed sleep let a fast machine finish one before the signal
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
