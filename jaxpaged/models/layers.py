@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.cpu_dense import packed_dense
 from pallas_kernels.cpu_rope import rope_angles_cpu
 
 
@@ -20,10 +21,13 @@ def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> F
     return weight * xf.astype(x.dtype)
 
 
-def dense(x: Float[Array, "T K"], w: Float[Array, "K N"]) -> Float[Array, "T N"]:
-    """x @ w in x's dtype. Narrower weights than activations (bf16 weights, float32 activations: the CPU form)
-    take x rounded to w's dtype into a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot
-    instructions (twice float32's rate; a bf16-output dot takes a slow path)."""
+def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K panel"]) -> Float[Array, "T N"]:
+    """x @ w in x's dtype. A 3-D w is packed for the CPU dense call (`pallas_kernels.cpu_dense`). Narrower
+    weights than activations (bf16 weights, float32 activations: the CPU form) take x rounded to w's dtype into
+    a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot instructions (twice float32's rate;
+    a bf16-output dot takes a slow path)."""
+    if w.ndim == 3:
+        return packed_dense(x, w).astype(x.dtype)
     if x.dtype == w.dtype:
         return x @ w
     y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),

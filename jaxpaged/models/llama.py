@@ -24,6 +24,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
 from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
 from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_angles, rope_inv_freq
+from pallas_kernels import cpu_dense
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
 LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
@@ -139,7 +140,9 @@ def forward(
 def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None) -> Float[Array, "S V"]:
     """Vocabulary logits in float32 (the tied embedding when the model has no lm_head); with a mesh, gathered
     from the vocabulary-parallel shards onto every device (the sampler reads whole rows)."""
-    if "lm_head" in params:
+    if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
+        logits = cpu_dense.packed_dense(hidden, params["lm_head"])
+    elif "lm_head" in params:
         logits = jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
                                      (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     else:  # contracting the embedding's own axis 1: `embed.T` would have XLA:CPU copy the 56-113 MB table each call
@@ -165,15 +168,21 @@ def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
 TIED_HEAD_COPY_MAX_BYTES = 256 << 20
 
 
+# The weights `packed=True` lays out for the CPU dense call (`pallas_kernels.cpu_dense`).
+PACKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
 def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
-                 mesh=None) -> dict:
+                 mesh=None, packed: bool = False) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
 
     q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
     "w_gate_up" (in one group per device of `mesh`: `_fuse`). per_layer=False: params["layers"] is a dict of
     [L, ...] arrays; True: a list of L dicts; None: per layer on CPU, stacked elsewhere (see the module
     docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
-    (`tensor_parallel.param_sharding`), so no device ever holds a whole model.
+    (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: float32 per-layer weights
+    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`cpu_dense.pack`, [N / panel,
+    K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them every step.
     """
     if per_layer is None:
         per_layer = jax.default_backend() == "cpu"
@@ -202,8 +211,18 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
         # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call (58% of
         # the head's time at 8 rows; the head 1.1-2.3 ms faster at 8-16 rows). bf16's tied dot is faster as is.
         params["lm_head"] = put("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))
+    packed = packed and per_layer and mesh is None and dtype == jnp.float32
+
+    def put_layer(name: str, x):
+        x = np.asarray(x)
+        if packed and name in PACKED_WEIGHTS and cpu_dense.can_pack(x.astype(np.float32, copy=False)):
+            return jnp.asarray(cpu_dense.pack(x.astype(np.float32, copy=False)))
+        return put(name, x)
+
+    if packed and "lm_head" in params:
+        params["lm_head"] = put_layer("lm_head", np.asarray(params["lm_head"]))
     if per_layer:
-        params["layers"] = [{k: put(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
+        params["layers"] = [{k: put_layer(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
     else:
         params["layers"] = {k: put(k, v, stacked=True) for k, v in layers.items()}
     return params
@@ -227,11 +246,13 @@ class LlamaForCausalLM(nnx.Module):
     """Decoder-only Llama-family model over a paged KV pool: the engine's holder of `forward`'s params.
 
     per_layer: one weight dict per layer and a Python loop (default on CPU, where it is faster), else stacked
-    weights under `lax.scan` (see the module docstring)."""
+    weights under `lax.scan` (see the module docstring). packed: float32 weights packed for the CPU dense call
+    (`model_params`); by default with the CPU attention kernel."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
-                 kv_chunk: int = 32, per_layer: bool | None = None, mesh=None):
-        params = model_params(cfg, weights, per_layer=per_layer, mesh=mesh)
+                 kv_chunk: int = 32, per_layer: bool | None = None, mesh=None, packed: bool | None = None):
+        packed = attention_backend == "cpu" if packed is None else packed  # (with the other CPU kernels)
+        params = model_params(cfg, weights, per_layer=per_layer, mesh=mesh, packed=packed)
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.kv_chunk = kv_chunk

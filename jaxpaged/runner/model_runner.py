@@ -48,6 +48,7 @@ from jaxpaged.spec_decode.draft_model import propose_drafts
 from jaxpaged.spec_decode.rejection import verify_drafts
 from jaxpaged.structured.manager import StructuredOutputManager
 from pallas_kernels.cpu_attention import TARGET as CPU_ATTENTION_TARGET
+from pallas_kernels.cpu_dense import TARGET as CPU_DENSE_TARGET
 from pallas_kernels.cpu_rope import TARGET as CPU_ROPE_TARGET
 
 logger = logging.getLogger(__name__)
@@ -459,7 +460,8 @@ class ModelRunner:
         if root is None or self.mesh is not None or self.channel is not None:
             return None
         shared = (self.state, self._pool_spec, self.row_state, self.last_token, self.draft_state, self.draft_pool)
-        calls = (CPU_ATTENTION_TARGET, CPU_ROPE_TARGET) if self.config.attention_backend == "cpu" else ()
+        cpu = self.config.attention_backend == "cpu"
+        calls = (CPU_ATTENTION_TARGET, CPU_ROPE_TARGET, CPU_DENSE_TARGET) if cpu else ()
         if "pallas" in (self.config.attention_backend, self.config.sampler_backend):
             calls += ("__gpu$xla.gpu.triton",)  # (Pallas' Triton kernels on GPU)
         config = dataclasses.replace(self.config, cache_config=dataclasses.replace(  # (roles share their steps)
