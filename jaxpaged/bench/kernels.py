@@ -3,10 +3,12 @@
     jaxpaged bench kernels                 # GPU: Triton kernels at full serving shapes
     jaxpaged bench kernels                 # CPU: the C++ CPU attention at full shapes (Pallas sampler interpreted)
     jaxpaged bench kernels --quick         # small shapes (a CPU without the C++ kernel: kernels interpreted)
+    jaxpaged bench kernels --only dense    # CPU: dense layers on packed weights against XLA's dot
 
 Correctness first (the kernel's output against the reference on the same inputs), then the median
 time of each. Attention reports the K/V bytes its sequences' contexts hold per second of kernel
-time; sampling reports rows (tokens) per second. Prints a table and writes JSON (--output-json).
+time; sampling reports rows (tokens) per second; the CPU dense call GFLOP/s over a model's matmuls.
+Prints a table and writes JSON (--output-json).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import platform_is_gpu
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, cpu_dense
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_mask, top_k_top_p_sampling
 
@@ -110,6 +112,43 @@ def bench_sampling(quick: bool, iters: int, interpret: bool) -> list[dict]:
     return rows
 
 
+# SmolLM2-135M's matmuls per layer, (K, N): q/k/v fused, o, gate/up fused, down
+DENSE_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+
+
+def bench_dense(quick: bool, iters: int) -> list[dict]:
+    """The CPU dense call on packed weights against XLA's dot on the same float32 weights: a chain of SmolLM2's
+    four matmuls over its 30 layers (2 with --quick), each layer's weights its own (as the model reads them)."""
+    layers = 2 if quick else 30
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(shape, np.float32) / np.sqrt(shape[0]) for _ in range(layers)
+               for shape in DENSE_SHAPES]
+    plain = [jnp.asarray(w) for w in weights]
+    packed = [jnp.asarray(cpu_dense.pack(w)) for w in weights]
+    flops_per_row = 2 * layers * sum(k * n for k, n in DENSE_SHAPES)
+
+    def chain(dot):
+        def run(x, ws):
+            out = []
+            for i in range(0, len(ws), 4):
+                c = dot(x, ws[i + 2])
+                out += [dot(x, ws[i]), dot(x, ws[i + 1]), dot(c[:, :DENSE_SHAPES[3][0]], ws[i + 3])]
+            return out
+        return jax.jit(run)
+
+    kern, ref = chain(cpu_dense.packed_dense), chain(lambda x, w: x @ w)
+    rows = []
+    for m in (8, 64) if quick else (8, 16, 32, 64, 128, 256, 512):
+        x = jnp.asarray(rng.standard_normal((m, DENSE_SHAPES[0][0]), np.float32))
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(kern(x, packed), ref(x, plain)))
+        k_ms, r_ms = median_ms(kern, x, packed, iters=iters), median_ms(ref, x, plain, iters=iters)
+        rows.append({"kernel": "cpu_dense", "case": f"smollm2 x{layers} layers, {m} rows", "tokens": m,
+                     "max_rel_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
+                     "kernel_GFLOPs": flops_per_row * m / k_ms / 1e6,
+                     "reference_GFLOPs": flops_per_row * m / r_ms / 1e6})
+    return rows
+
+
 def print_table(rows: list[dict], device: str) -> None:
     print(f"\nKernels vs references on {device}")
     print(f"{'kernel':<16}{'case':<30}{'check':>12}{'kernel ms':>11}{'ref ms':>10}{'speedup':>9}  throughput")
@@ -117,6 +156,9 @@ def print_table(rows: list[dict], device: str) -> None:
         if r["kernel"] in ("paged_attention", "cpu_attention"):
             check = f"{r['max_abs_err']:.1e}"
             tput = f"{r['kernel_kv_GBps']:.1f} GB/s K/V (ref {r['reference_kv_GBps']:.1f})"
+        elif r["kernel"] == "cpu_dense":
+            check = f"{r['max_rel_err']:.1e} rel"
+            tput = f"{r['kernel_GFLOPs']:.0f} GFLOP/s (ref {r['reference_GFLOPs']:.0f}: XLA's dot)"
         else:
             check = f"{r['draws_outside_kept_set']} outside"
             tput = f"{r['kernel_tokens_per_s']:,.0f} tok/s (ref {r['reference_tokens_per_s']:,.0f})"
@@ -127,7 +169,8 @@ def print_table(rows: list[dict], device: str) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (default off GPU: kernels are interpreted)")
     p.add_argument("--iters", type=int, default=None, help="timed runs per case (default 20 on GPU, 2 off)")
-    p.add_argument("--only", choices=("attention", "sampling"), default=None)
+    p.add_argument("--only", choices=("attention", "sampling", "dense"), default=None,
+                   help="one kernel (dense: the CPU dense call, on a CPU that builds it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="q and KV pool dtype (default: bfloat16 on GPU, float32 off GPU)")
     p.add_argument("--output-json", default="bench_results/kernels.json")
@@ -149,6 +192,8 @@ def main(ns: argparse.Namespace) -> list[dict]:
                                 interpret, dtype, "cpu" if cpu_kernel else "pallas")
     if ns.only in (None, "sampling"):
         rows += bench_sampling(quick, iters, interpret)
+    if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():
+        rows += bench_dense(ns.quick, ns.iters or 10)
     print_table(rows, device)
     if ns.output_json:
         os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)

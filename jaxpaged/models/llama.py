@@ -205,22 +205,22 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     for fused, parts in FUSED.items():
         if all(p in layers for p in parts):
             layers[fused] = _fuse([layers.pop(p) for p in parts], mesh_size(mesh))
-    params: dict = {name: put(name, weights[name]) for name in expected if not name.startswith("layers.")}
+    packed = packed and per_layer and mesh is None and dtype == jnp.float32
+
+    def put_layer(name: str, x):  # (packed for the CPU dense call where it can be, else as `put`)
+        if packed and name in PACKED_WEIGHTS:
+            x32 = np.asarray(x).astype(np.float32, copy=False)
+            if cpu_dense.can_pack(x32):
+                return jnp.asarray(cpu_dense.pack(x32))
+        return put(name, x)
+
+    params: dict = {name: (put_layer if name == "lm_head" else put)(name, weights[name]) for name in expected
+                    if not name.startswith("layers.")}
     if (cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32
             and weights["embed"].size * 4 <= TIED_HEAD_COPY_MAX_BYTES):
         # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call (58% of
         # the head's time at 8 rows; the head 1.1-2.3 ms faster at 8-16 rows). bf16's tied dot is faster as is.
-        params["lm_head"] = put("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))
-    packed = packed and per_layer and mesh is None and dtype == jnp.float32
-
-    def put_layer(name: str, x):
-        x = np.asarray(x)
-        if packed and name in PACKED_WEIGHTS and cpu_dense.can_pack(x.astype(np.float32, copy=False)):
-            return jnp.asarray(cpu_dense.pack(x.astype(np.float32, copy=False)))
-        return put(name, x)
-
-    if packed and "lm_head" in params:
-        params["lm_head"] = put_layer("lm_head", np.asarray(params["lm_head"]))
+        params["lm_head"] = put_layer("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))
     if per_layer:
         params["layers"] = [{k: put_layer(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
     else:

@@ -12,10 +12,17 @@ def test_bench_kernels_quick_checks_and_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     rows = {(r["kernel"].replace("cpu_attention", "paged_attention"), r["case"]): r for r in data["rows"]}
     assert ("paged_attention", "llama3-8b decode") in rows and ("sampling", "V=128256 top-p 0.9") in rows
+    import jax
+
+    from pallas_kernels import cpu_dense
+    on_cpu = jax.default_backend() == "cpu" and bool(cpu_dense.panel())
+    assert (("cpu_dense", "smollm2 x2 layers, 64 rows") in rows) == on_cpu
     for r in data["rows"]:
         assert r["kernel_ms"] > 0 and r["reference_ms"] > 0
         if r["kernel"] in ("paged_attention", "cpu_attention"):
             assert r["max_abs_err"] < 1e-4
+        elif r["kernel"] == "cpu_dense":
+            assert r["max_rel_err"] < 1e-5
         else:
             assert r["draws_outside_kept_set"] == 0
     assert "Kernels vs references" in capsys.readouterr().out

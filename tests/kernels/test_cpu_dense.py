@@ -3,6 +3,7 @@ around its cache blocks, this machine's build and the AVX2 one), and the model p
 it can and computes the same step with them."""
 
 import ctypes
+import dataclasses
 import platform
 
 import jax
@@ -92,6 +93,13 @@ def test_the_model_packs_its_float32_weights_and_computes_the_same_step():
     np.testing.assert_array_equal(cpu_dense.unpack(np.asarray(layer["wqkv"])), np.asarray(plain["layers"][0]["wqkv"]))
     stacked = llama.model_params(cfg, weights, per_layer=False, packed=True)  # (scanned layers: not packed)
     assert stacked["layers"]["wqkv"].shape == (2, 32, 128) and stacked["lm_head"].ndim == 2
+    tied = dataclasses.replace(cfg, tie_word_embeddings=True)  # the [E, V] copy of the embedding, packed
+    tied_params = llama.model_params(tied, {k: v for k, v in weights.items() if k != "lm_head"}, per_layer=True,
+                                     packed=True)
+    np.testing.assert_array_equal(cpu_dense.unpack(np.asarray(tied_params["lm_head"])), weights["embed"].T)
+    for backend, ndim in (("cpu", 3), ("reference", 2)):  # by default, packed with the other CPU kernels
+        assert llama.LlamaForCausalLM(cfg, weights, attention_backend=backend).params()["layers"][0]["wqkv"].ndim \
+            == ndim
     x = make_step(rng, [(5, 1), (20, 3), (0, 4)], group=2, kh=2, d=16, layers=2)
     meta = llama.AttentionMetadata(positions=x["positions"], slot_mapping=x["slots"], token_seq=x["token_seq"],
                                    decode_context_lens=x["decode_ctx"], seq_context_lens=x["seq_ctx"],

@@ -5,6 +5,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import build_model, llama, load_hf_config, model_config_from_hf
+from pallas_kernels import cpu_dense
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits
 from tests.tiny_models import load_hf_model
 
@@ -17,13 +18,19 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 256, size=n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "stacked"])  # CPU and GPU weight layouts
-@pytest.mark.parametrize("arch", ARCHS)
-def test_last_position_logits_match_hf(arch, tiny_model_dir, per_layer):
+@pytest.mark.parametrize("layout", ["per-layer", "stacked", "packed"])  # CPU and GPU weight layouts; packed: the
+@pytest.mark.parametrize("arch", ARCHS)                                 # CPU kernels' (dense on packed weights)
+def test_last_position_logits_match_hf(arch, tiny_model_dir, layout):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
-    model = build_model(model_config_from_hf(path, load_hf_config(path), "float32"), per_layer=per_layer)
+    per_layer = layout != "stacked"
+    backend = "cpu" if layout == "packed" else "reference"
+    if backend == "cpu" and not cpu_dense.panel():
+        pytest.skip("the CPU kernels cannot be built here")
+    model = build_model(model_config_from_hf(path, load_hf_config(path), "float32"), per_layer=per_layer,
+                        attention_backend=backend)
     assert isinstance(model.params()["layers"], list) == per_layer
+    assert not per_layer or (model.params()["layers"][0]["wqkv"].ndim == 3) == (layout == "packed")
     worst = 0.0
     for ids in prompts():
         ours, ref = our_last_logits(model, ids), hf_last_logits(hf, ids)
