@@ -58,7 +58,8 @@ def _build(name: str, compiler: str) -> Path:
     source = SOURCE_DIR / f"{name}.cc"
     include = jax.ffi.include_dir()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_identity(),
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # (shared code the sources include)
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity(),
                                     include, jax.__version__]).encode()).hexdigest()[:16]
     target = cache_dir() / "cpu_kernels" / f"{name}-{key}.so"
     if target.exists():

@@ -35,10 +35,11 @@ def can_pack(w: np.ndarray) -> bool:
             and panel() > 0 and w.shape[1] % panel() == 0)
 
 
-def pack(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [N / panel, K, panel]: panel p holds columns p * panel ... (p + 1) * panel - 1, row by row."""
+def pack(w: np.ndarray, width: int | None = None) -> np.ndarray:
+    """[K, N] -> [N / panel, K, panel]: panel p holds columns p * panel ... (p + 1) * panel - 1, row by row
+    (width: another build's panel instead of this machine's)."""
     k, n = w.shape
-    p = panel()
+    p = width or panel()
     return np.ascontiguousarray(np.asarray(w).reshape(k, n // p, p).transpose(1, 0, 2))
 
 

@@ -10,16 +10,14 @@
 // Shapes: x f32[M, K]; wp f32[N / kPanel, K, kPanel]. Output f32[M, N].
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged::parallel_for;
 
 namespace {
 
@@ -89,32 +87,6 @@ void run_item(const float* x, const float* wp, float* y, int64_t k, int64_t n, i
       micro_dispatch<kRows>(rows, x + m * k + k0, k, panel + k0 * kPanel, kc, y + m * n + p * kPanel, n, k0 > 0);
     }
   }
-}
-
-// Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when all have run.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, fn]() {
-    int64_t i;
-    while ((i = state->next.fetch_add(1)) < n) {
-      fn(i);
-      if (state->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
 ffi::Error PackedDense(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
