@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,10 +33,13 @@ constexpr int kPanel = 2 * kLanes;
 constexpr int64_t kBlockK = 4096;
 constexpr int64_t kItemRows = 96;  // rows per work item (a multiple of kRows on both widths)
 
-typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
 
-inline Vec load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; }
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
+// Loads and stores through the vector type (one vmovups). Not memcpy: where GCC's tuning for the CPU prefers
+// 256-bit vectors (-march=native on Ice Lake and later), it copied each 64-byte vector as two 32-byte halves
+// through the stack, and the reload stalled on store forwarding: 5x slower (30 vs 154 GFLOP/s on one core).
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 
 // rows x kPanel outputs at y (row stride ldy) += / = x[0:rows, 0:kc] @ panel[0:kc, 0:kPanel].
 template <int rows>
