@@ -5,7 +5,9 @@
 // column panels of kPanel (two vector registers wide): wp[p][k][j] = w[k][p * kPanel + j], so a panel's rows
 // are read contiguously. Each work item is one panel and a run of rows: kRows rows at a time accumulate
 // kRows x kPanel outputs in registers over K, each step broadcasting x[r][k] against the panel's two vectors
-// of row k. Items run on XLA's intra-op thread pool.
+// of row k. Items run on XLA's intra-op thread pool, panel by panel: a panel's row runs are consecutive items,
+// so each weight is read from memory once while the activations (smaller, for up to a few hundred rows) stay
+// in cache; row runs outermost re-read every weight once per run (8-10% slower at 128-512 rows).
 //
 // Shapes: x f32[M, K]; wp f32[N / kPanel, K, kPanel]. Output f32[M, N].
 
@@ -105,7 +107,7 @@ ffi::Error PackedDense(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi
   if (m == 0) return ffi::Error::Success();
   const int64_t row_items = (m + kItemRows - 1) / kItemRows;
   parallel_for(thread_pool, panels * row_items, [=](int64_t i) {
-    const int64_t p = i % panels, r = i / panels;
+    const int64_t p = i / row_items, r = i % row_items;
     run_item(xs, ws, ys, k, n, p, r * kItemRows, std::min(m, (r + 1) * kItemRows));
   });
   return ffi::Error::Success();
