@@ -7,7 +7,7 @@
 // kRows x kPanel outputs in registers over K, each step broadcasting x[r][k] against the panel's two vectors
 // of row k. Items run on XLA's intra-op thread pool, panel by panel: a panel's row runs are consecutive items,
 // so each weight is read from memory once while the activations (smaller, for up to a few hundred rows) stay
-// in cache; row runs outermost re-read every weight once per run (8-10% slower at 128-512 rows).
+// in cache; row runs outermost re-read every weight once per run (7-11% slower at 128-512 rows).
 //
 // Shapes: x f32[M, K]; wp f32[N / kPanel, K, kPanel]. Output f32[M, N].
 
@@ -37,9 +37,10 @@ constexpr int64_t kItemRows = 96;  // rows per work item (a multiple of kRows on
 
 typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
 
-// Loads and stores through the vector type (one vmovups). Not memcpy: where GCC's tuning for the CPU prefers
-// 256-bit vectors (-march=native on Ice Lake and later), it copied each 64-byte vector as two 32-byte halves
-// through the stack, and the reload stalled on store forwarding: 5x slower (30 vs 154 GFLOP/s on one core).
+// Loads and stores through the vector type (one vmovups). Not memcpy: under a tuning that prefers 256-bit
+// vectors (GCC 12's rocketlake, which -march=native picked on an Intel Xeon) it copied each 64-byte vector as
+// two 32-byte halves through the stack, and the reload stalled on store forwarding: 30 vs 154 GFLOP/s on one
+// core there.
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 

@@ -17,13 +17,9 @@
 // token_seq s32[T] (-1: padding, output 0); positions s32[T]. Output f32[T, H, D].
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "parallel_for.h"
