@@ -308,8 +308,8 @@ class EngineArgs:
     coordinator_address: str | None = _flag(None, "HOST:PORT where process 0 coordinates the processes")
     max_prefill_tokens_with_decodes: int | None = _flag(
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
-              "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 320 on "
-              "CPU (beside a few decodes: steps of at most 384 tokens)")
+              "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 512 on "
+              "CPU (beside a few decodes: steps of at most 768 tokens)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -421,9 +421,10 @@ class EngineArgs:
             aging_rate=self.scheduling_aging_rate, priority_class_seconds=self.priority_class_seconds,
             max_prefill_tokens_with_decodes=(self.max_prefill_tokens_with_decodes
                                              if self.max_prefill_tokens_with_decodes is not None
-                                             else 0 if gpu else 320),
+                                             else 0 if gpu else 512),
             fine_token_buckets=not gpu,
-            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0,
+            num_lookahead_tokens=(spec.num_speculative_tokens
+                                  if spec is not None and spec.method == "draft_model" else 0),
         )
 
     @classmethod
