@@ -30,7 +30,6 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_storage import STORAGE, decode
 
-
 _MASKED = -1e30
 # The pool may hold a narrower dtype than q (read up to q's dtype): bf16/f16 or fp8 KV on any model, stored as
 # integers (kv_storage) or as plain floats.
@@ -150,13 +149,16 @@ def query_tiles(token_seq: Int[Array, "T"], block_q: int, num_tiles: int):
 
 def _ragged_paged_attention_kernel(
     tile_start_ref, tile_len_ref, token_seq_ref, positions_ref, tables_ref, layer_ref, q_ref, pool_ref,  # inputs
-    o_ref,  # output
-    *, block_q: int, group_pad: int, sm_scale: float, sliding_window: int | None,
+    *out_refs,  # o [KH, rows, D]; with num_splits > 1, each split's float32 acc [S, KH, rows, D], m and l [S, KH, rows]
+    block_q: int, group_pad: int, sm_scale: float, sliding_window: int | None, kv_blocks: int, num_splits: int,
 ):
-    """One program: query tile pl.program_id(0) (block_q tokens x group_pad heads) of KV head pl.program_id(1)."""
+    """One program: query tile pl.program_id(0) (block_q tokens x group_pad heads) of KV head pl.program_id(1),
+    over its context kv_blocks blocks per step; with num_splits > 1, split pl.program_id(2) of that walk."""
     tile, head = pl.program_id(0), pl.program_id(1)
+    split = pl.program_id(2) if num_splits > 1 else 0  # (read here: the interpreter maps program ids at top level)
     rows = block_q * group_pad
     block_size = pool_ref.shape[3]
+    chunk = kv_blocks * block_size  # context tokens per step of the walk
     start, length = tile_start_ref[tile], tile_len_ref[tile]
 
     @pl.when(length > 0)
@@ -168,18 +170,31 @@ def _ragged_paged_attention_kernel(
         pos = jnp.where(row_valid, positions_ref[row_token], -1)  # [M]; -1: sees nothing
         q = q_ref[head, pl.ds(start * group_pad, rows), :]  # [M, D]
         last = jnp.max(pos)
-        first_block = 0
+        first = 0
         if sliding_window is not None:
             lowest = jnp.min(jnp.where(row_valid, pos, last))
-            first_block = jnp.maximum(lowest - sliding_window + 1, 0) // block_size
+            first = jnp.maximum(lowest - sliding_window + 1, 0) // chunk
+        end = last // chunk + 1
+        if num_splits > 1:  # this program's share of the steps [first, end)
+            per = (end - first + num_splits - 1) // num_splits
+            first = first + split * per
+            end = jnp.minimum(first + per, end)
 
-        def body(b, carry):
+        def body(c, carry):
             m, l, acc = carry  # [M], [M], [M, D]
-            blk = tables_ref[seq, b]
-            k = decode(pool_ref[layer, 0, blk, :, head, :], q.dtype)  # [bs, D]
-            v = decode(pool_ref[layer, 1, blk, :, head, :], q.dtype)
-            s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [M, bs]
-            key_pos = b * block_size + jax.lax.iota(jnp.int32, block_size)
+            if kv_blocks == 1:
+                blk = tables_ref[seq, c]
+                k = decode(pool_ref[layer, 0, blk, :, head, :], q.dtype)  # [bs, D]
+                v = decode(pool_ref[layer, 1, blk, :, head, :], q.dtype)
+            else:  # kv_blocks blocks at once: each key's block id read from the table row; none past `last`
+                tok = c * chunk + jax.lax.iota(jnp.int32, chunk)  # [C] context positions
+                blk = tables_ref[seq, tok // block_size][:, None]  # [C, 1]
+                off, col = (tok % block_size)[:, None], jax.lax.iota(jnp.int32, q.shape[-1])[None, :]  # (all
+                seen = (tok <= last)[:, None]  # gathers, no slice: the interpreter takes no mix of the two)
+                k = decode(plgpu.load(pool_ref.at[layer, 0, blk, off, head, col], mask=seen, other=0), q.dtype)
+                v = decode(plgpu.load(pool_ref.at[layer, 1, blk, off, head, col], mask=seen, other=0), q.dtype)
+            s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [M, C]
+            key_pos = c * chunk + jax.lax.iota(jnp.int32, chunk)
             visible = key_pos[None, :] <= pos[:, None]
             if sliding_window is not None:
                 visible &= key_pos[None, :] > pos[:, None] - sliding_window
@@ -193,10 +208,17 @@ def _ragged_paged_attention_kernel(
 
         init = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
                 jnp.zeros((rows, q.shape[-1]), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(first_block, last // block_size + 1, body, init)
-        out = acc / jnp.maximum(l, 1e-30)[:, None]
-        plgpu.store(o_ref.at[head, pl.ds(start * group_pad, rows), :], out.astype(o_ref.dtype),
-                    mask=row_valid[:, None])
+        m, l, acc = jax.lax.fori_loop(first, end, body, init)
+        out_rows = pl.ds(start * group_pad, rows)
+        if num_splits > 1:  # (an empty split writes its empty state: m -1e30, l 0, acc 0)
+            acc_ref, m_ref, l_ref = out_refs
+            plgpu.store(acc_ref.at[split, head, out_rows, :], acc, mask=row_valid[:, None])
+            plgpu.store(m_ref.at[split, head, out_rows], m, mask=row_valid)
+            plgpu.store(l_ref.at[split, head, out_rows], l, mask=row_valid)
+        else:
+            (o_ref,) = out_refs
+            out = acc / jnp.maximum(l, 1e-30)[:, None]
+            plgpu.store(o_ref.at[head, out_rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
 def ragged_paged_attention(
@@ -210,6 +232,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_m: int = 16,
+    kv_blocks: int = 1,
+    num_splits: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -227,6 +251,10 @@ def ragged_paged_attention(
       positions: [T] each token's position; it sees keys at positions <= its own.
       sm_scale: the softmax scale (static). sliding_window: keys within this many positions (static).
       block_m: query rows per tile (tokens x padded group), a power of two >= 16.
+      kv_blocks: KV blocks a program reads per step of its walk over the context (a power of two): larger
+        loads per step (the block ids gathered from the table) for small blocks and heads.
+      num_splits: programs per (tile, KV head), each walking a share of the context (flash-decoding), their
+        float32 partial results combined after: more programs in flight for few, long sequences.
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [T, H, D] in q's dtype.
     """
@@ -240,15 +268,18 @@ def ragged_paged_attention(
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
+    if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:
+        raise ValueError(f"kv_blocks must be a power of two and num_splits >= 1, got {kv_blocks}, {num_splits}")
     return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
-                                   sliding_window=sliding_window, block_m=block_m, num_warps=num_warps,
-                                   num_stages=num_stages, interpret=interpret)
+                                   sliding_window=sliding_window, block_m=block_m, kv_blocks=kv_blocks,
+                                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                                   interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_m", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_m", "kv_blocks", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
 def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, *, sm_scale, sliding_window,
-                            block_m, num_warps, num_stages, interpret):
+                            block_m, kv_blocks, num_splits, num_warps, num_stages, interpret):
     t, h, d = q.shape
     kh = kv_pool.shape[4]
     group = h // kh
@@ -265,16 +296,39 @@ def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, position
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(kh, tp * group_pad, d)
     pad_tok = lambda x, fill: jnp.pad(x, (0, block_q), constant_values=fill)  # noqa: E731
+    tables = block_tables.astype(jnp.int32)
+    if tables.shape[1] % kv_blocks:  # whole steps of kv_blocks: pad with block 0 (its keys are masked)
+        tables = jnp.pad(tables, ((0, 0), (0, kv_blocks - tables.shape[1] % kv_blocks)))
     kernel = functools.partial(_ragged_paged_attention_kernel, block_q=block_q, group_pad=group_pad,
-                               sm_scale=sm_scale, sliding_window=sliding_window)
+                               sm_scale=sm_scale, sliding_window=sliding_window, kv_blocks=kv_blocks,
+                               num_splits=num_splits)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((kh, tp * group_pad, d), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad, d), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, kh),
-        out_shape=jax.ShapeDtypeStruct((kh, tp * group_pad, d), q.dtype),
+        grid=(num_tiles, kh) + ((num_splits,) if num_splits > 1 else ()),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_m{rows}",
+        name=f"ragged_paged_attention_m{rows}" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "")
+        + (f"_split{num_splits}" if num_splits > 1 else ""),
     )(tile_start, tile_len, pad_tok(token_seq, -1), pad_tok(positions.astype(jnp.int32), 0),
-      block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qg, kv_pool)
+      tables, jnp.reshape(layer, (1,)).astype(jnp.int32), qg, kv_pool)
+    if num_splits > 1:
+        out = combine_splits(*out).astype(q.dtype)
     out = out.reshape(kh, tp, group_pad, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return jnp.where((token_seq >= 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def combine_splits(acc: Float[Array, "S KH R D"], m: Float[Array, "S KH R"], l: Float[Array, "S KH R"]
+                   ) -> Float[Array, "KH R D"]:
+    """Softmax-weighted merge of the splits' partial results (each over its own keys): rows no split saw
+    (padding) come out 0 or garbage, masked by the caller."""
+    top = jnp.max(m, axis=0)  # [KH, R]
+    w = jnp.exp(m - top)  # [S, KH, R]; an empty split (m = -1e30) weighs 0
+    num = jnp.sum(w[..., None] * acc, axis=0)
+    return num / jnp.maximum(jnp.sum(w * l, axis=0), 1e-30)[..., None]

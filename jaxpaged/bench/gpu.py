@@ -10,8 +10,12 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
   3. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
   4. `jaxpaged bench functional`: `functional.generate` against `LLM.generate`, 64 prompts of 128 ids, 128
      greedy tokens each (one process, both on the dummy model);
-  5. jaxpaged again without async scheduling;
-  6. `jaxpaged bench kernels`.
+  5. `jaxpaged bench kernels`: the device's copy bandwidth and matmul rate, then each kernel against its
+     reference and those ceilings (decode at 64-512 sequences of 1k-8k tokens, mixed, long prefill, sampling);
+     it saves each case as it goes, so a stage cut short keeps its rows;
+  6. with --with-sync: jaxpaged again without async scheduling;
+  7. with --with-tune: `jaxpaged bench kernels --only attention --tune`, the attention kernel's kv_blocks /
+     num_splits variants timed on each decode case (about 3 minutes on its own).
 Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
 and `gpu_bench.json` under --output-dir.
 """
@@ -26,8 +30,9 @@ import sys
 import time
 
 STAGES = {  # name -> (time limit in seconds, smoke time limit); the most telling first, 6 minutes in all
-    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (80, 300), "functional": (50, 300),
-    "jaxpaged_sync_seqs256": (60, 300), "kernels": (40, 300),
+    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (70, 300), "functional": (50, 300), "kernels": (110, 300),
+    "jaxpaged_sync_seqs256": (60, 300),  # with --with-sync only
+    "kernels_tune": (200, 300),  # with --with-tune only
 }
 
 
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="bench_results/gpu")
     p.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script on CPU)")
+    p.add_argument("--with-sync", action="store_true", help="also run jaxpaged without async scheduling (+60 s)")
+    p.add_argument("--with-tune", action="store_true", help="also time the attention kernel's variants (+200 s)")
     ns = p.parse_args(argv)
     ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
     os.makedirs(ns.output_dir, exist_ok=True)
@@ -56,10 +63,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "functional": [sys.executable, "-m", "jaxpaged", "bench", "functional", "--model", model, "--load-format",
                        "dummy", "--dtype", dtype, *(["--num-prompts", "4", "--input-len", "8", "--output-len", "8"]
                                                     if ns.smoke else ["--num-prompts", "64"])],
-        "jaxpaged_sync_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype,
-                                                                       "--no-async-scheduling"]),
         "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
     }
+    if ns.with_sync:
+        stages["jaxpaged_sync_seqs256"] = _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype",
+                                                                                dtype, "--no-async-scheduling"])
+    if ns.with_tune:
+        stages["kernels_tune"] = [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention",
+                                  "--tune", *(["--quick"] if ns.smoke else [])]
     rows = []
     for name, cmd in stages.items():
         out = os.path.join(ns.output_dir, f"{name}.json")
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row.update(output_tok_s=round(functional["output_tokens_per_s"], 1), wall_s=round(functional["wall_s"], 2),
                        engine_output_tok_s=round(engine["output_tokens_per_s"], 1),
                        rows_equal=functional["rows_equal_to_engine"])
-        elif status == "ok" and name != "kernels":
+        elif status == "ok" and not name.startswith("kernels"):
             r = json.load(open(out))[0]
             row.update(output_tok_s=round(r["output_tokens_per_s"], 1), wall_s=round(r["wall_s"], 2),
                        warmup_s=round(r["warmup_s"], 1), num_steps=r.get("num_steps"))
@@ -93,6 +104,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"| {r['stage']} | {r['status']} | {r.get('output_tok_s', '-')} | {r.get('wall_s', '-')} | "
               f"{r.get('warmup_s', '-')} | {r['stage_s']} |")
+    for name in ("kernels", "kernels_tune"):
+        path = os.path.join(ns.output_dir, f"{name}.json")
+        if name in stages and os.path.exists(path):  # (also from a stage cut short: it saves each case as it goes)
+            from jaxpaged.bench.kernels import print_table
+            k = json.load(open(path))
+            print_table(k["rows"], k["device"], k.get("ceilings"))
     for r in rows:
         if r["stage"] == "functional" and "engine_output_tok_s" in r:
             print(f"\nfunctional.generate {r['output_tok_s']} vs LLM.generate {r['engine_output_tok_s']} output tok/s "

@@ -6,9 +6,14 @@
     jaxpaged bench kernels --only dense    # CPU: dense layers on packed weights against XLA's dot
 
 Correctness first (the kernel's output against the reference on the same inputs), then the median
-time of each. Attention reports the K/V bytes its sequences' contexts hold per second of kernel
-time; sampling reports rows (tokens) per second; the CPU dense call GFLOP/s over a model's matmuls.
-Prints a table and writes JSON (--output-json).
+time of each. The run first measures the device's two ceilings (`device_ceilings`: a large copy's
+bandwidth and a large matmul's rate) and reports each kernel against them. Attention: the K/V bytes
+its sequences' contexts hold per second of kernel time and that as a share of the copy bandwidth
+(decode is bound by it), and causal FLOPs per second as a share of the matmul rate (prefill is bound
+by it); on a GPU, decode at 64 / 256 / 512 sequences of 1k and 8k tokens, a mixed step and a long
+prefill, at SmolLM2's and Llama-3-8B's heads. Sampling: rows (tokens) per second and the logits'
+bytes per second. The CPU dense call: GFLOP/s over a model's matmuls. Prints a table and writes
+JSON (--output-json) after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.bench import device_ceilings
 from jaxpaged.config import platform_is_gpu
 from pallas_kernels import cpu_attention, cpu_dense
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
@@ -30,15 +36,39 @@ from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_
 MODEL_SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 
 
-def median_ms(fn, *args, iters: int) -> float:
-    """Median wall time of fn(*args) in ms over `iters` runs after one warm-up (compile) run."""
+def median_ms(fn, *args, iters: int, budget_s: float = 2.0) -> float:
+    """Median wall time of fn(*args) in ms over `iters` runs after one warm-up (compile) run, fewer (at least
+    3) where they would take longer than budget_s (a slow reference at the largest shapes)."""
     jax.block_until_ready(fn(*args))
-    times = []
+    times, spent = [], 0.0
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
+        spent += times[-1]
+        if len(times) >= 3 and spent > budget_s:
+            break
     return 1e3 * float(np.median(times))
+
+
+def causal_flops(seqs: list[tuple[int, int]], heads: int, d: int) -> int:
+    """FLOPs of attention over what each token sees (context plus the new tokens up to itself): QK^T and PV,
+    2 * d each per (query head, visible key)."""
+    visible = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
+    return 4 * heads * d * visible
+
+
+def attention_workloads(gpu_shapes: bool, quick: bool) -> dict[str, list[tuple[int, int]]]:
+    """name -> [(context_len, new_tokens)] per sequence. GPU: decode at 64 / 256 / 512 sequences of 1k and 8k
+    tokens, a mixed step (16 decodes, a prefill chunk over a cached prefix, a fresh prompt) and a long prefill
+    (4 prompts of 2,048 tokens); CPU: decode 64 x 1k, mixed, prefill 2 x 512; quick: each 8x smaller."""
+    if gpu_shapes and not quick:
+        work = {f"decode {s}x{c // 1024}k": [(c, 1)] * s for s in (64, 256, 512) for c in (1024, 8192)}
+        return {**work, "mixed": [(512, 1)] * 16 + [(256, 256), (0, 512)], "prefill 4x2k": [(0, 2048)] * 4}
+    scale = 8 if quick else 1
+    return {f"decode {64 // scale}x{1024 // scale}": [(1024 // scale, 1)] * (64 // scale),
+            "mixed": [(512 // scale, 1)] * (16 // scale) + [(256 // scale, 256 // scale), (0, 512 // scale)],
+            f"prefill 2x{512 // scale}": [(0, 512 // scale)] * 2}
 
 
 def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: int, dtype, block_size: int = 16,
@@ -57,23 +87,41 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
         token_seq += [i] * n
         positions += list(range(c, c + n))
     t = len(token_seq)
-    pool = jnp.asarray(rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, d), np.float32), dtype)
-    q = jnp.asarray(rng.standard_normal((t, heads, d), np.float32), dtype)
+    kp, kq = jax.random.split(jax.random.PRNGKey(seed))  # on the device: an 8k x 512 pool is ~17 GB
+    pool = jax.random.normal(kp, (1, 2, num_blocks, block_size, kv_heads, d), dtype)
+    q = jax.random.normal(kq, (t, heads, d), dtype)
     kv_bytes = sum(c + n for c, n in seqs) * 2 * kv_heads * d * jnp.dtype(dtype).itemsize
     return (q, pool, jnp.int32(0), jnp.asarray(tables), jnp.asarray(token_seq, jnp.int32),
             jnp.asarray(positions, jnp.int32)), kv_bytes
 
 
-def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas") -> list[dict]:
-    """backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++ CPU kernel."""
-    scale = 8 if quick else 1
-    workloads = {
-        "decode": [(1024 // scale, 1)] * (64 // scale),
-        "mixed": [(512 // scale, 1)] * (16 // scale) + [(256 // scale, 256 // scale), (0, 512 // scale)],
-    }
+# (kv_blocks, num_splits) of the Pallas kernel timed by --tune on decode cases; the first is the default
+TUNE_CONFIGS = ((1, 1), (4, 1), (8, 1), (1, 4), (4, 4), (8, 8))
+
+
+def tune_decode(args, sm: float, interpret: bool, iters: int) -> dict[str, float]:
+    """Kernel ms of each `TUNE_CONFIGS` variant on one case (each checked against the default's output)."""
+    times, base = {}, None
+    for kv_blocks, splits in TUNE_CONFIGS:
+        f = jax.jit(lambda *a, kb=kv_blocks, ns=splits: ragged_paged_attention(
+            *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret))
+        out = f(*args).astype(jnp.float32)
+        base = out if base is None else base
+        err = float(jnp.max(jnp.abs(out - base)))
+        if not err <= 2e-2:
+            raise AssertionError(f"kv_blocks={kv_blocks} num_splits={splits} differs from the default by {err}")
+        times[f"kv{kv_blocks}_split{splits}"] = median_ms(f, *args, iters=iters)
+    return times
+
+
+def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas",
+                    ceilings: dict | None = None, on_row=None, tune: bool = False) -> list[dict]:
+    """backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++ CPU kernel. ceilings: from
+    `device_ceilings.measure` (adds the % columns); on_row(row) is called as each case is done. tune (Pallas):
+    also time the kernel's `TUNE_CONFIGS` on each decode case (row["variants_ms"], row["best_variant"])."""
     rows = []
     for model, (h, kh, d) in MODEL_SHAPES.items():
-        for name, seqs in workloads.items():
+        for name, seqs in attention_workloads(backend == "pallas" and not interpret, quick).items():
             args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
             sm = d ** -0.5
             if backend == "cpu":
@@ -83,14 +131,32 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
             ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
             err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - ref(*args).astype(jnp.float32))))
             k_ms, r_ms = median_ms(kern, *args, iters=iters), median_ms(ref, *args, iters=iters)
-            rows.append({"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
-                         "case": f"{model} {name}", "tokens": int(args[0].shape[0]),
-                         "max_abs_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
-                         "kernel_kv_GBps": kv_bytes / k_ms / 1e6, "reference_kv_GBps": kv_bytes / r_ms / 1e6})
+            flops = causal_flops(seqs, h, d)
+            row = {"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
+                   "case": f"{model} {name}", "tokens": int(args[0].shape[0]), "sequences": len(seqs),
+                   "max_abs_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
+                   "kv_bytes": kv_bytes, "kernel_kv_GBps": kv_bytes / k_ms / 1e6,
+                   "reference_kv_GBps": kv_bytes / r_ms / 1e6, "causal_flops": flops,
+                   "kernel_TFLOPs": flops / k_ms / 1e9, "reference_TFLOPs": flops / r_ms / 1e9}
+            if ceilings:
+                row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
+                row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
+            if tune and backend == "pallas" and name.startswith("decode"):
+                row["variants_ms"] = tune_decode(args, sm, interpret, iters)
+                row["best_variant"] = min(row["variants_ms"], key=row["variants_ms"].get)
+                best_ms = row["variants_ms"][row["best_variant"]]
+                row["best_kv_GBps"] = kv_bytes / best_ms / 1e6
+                if ceilings:
+                    row["best_pct_of_copy_bw"] = 100 * row["best_kv_GBps"] / ceilings["copy_GBps"]
+            rows.append(row)
+            if on_row:
+                on_row(row)
     return rows
 
 
-def bench_sampling(quick: bool, iters: int, interpret: bool) -> list[dict]:
+def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None,
+                   on_row=None) -> list[dict]:
+    """64 rows (quick: 8) of 49k and 128k logits; the logits' bytes per second against the copy bandwidth."""
     batch = 8 if quick else 64
     rows = []
     for vocab in (49_152, 128_256):
@@ -105,10 +171,15 @@ def bench_sampling(quick: bool, iters: int, interpret: bool) -> list[dict]:
             outside = int(jnp.sum(~jnp.take_along_axis(kept, tok[:, None], axis=1)))
             k_ms = median_ms(kern, logits, keys, temp, top_k, top_p, iters=iters)
             r_ms = median_ms(ref, logits, keys, temp, top_k, top_p, iters=iters)
-            rows.append({"kernel": "sampling", "case": f"V={vocab} {name}", "tokens": batch,
-                         "draws_outside_kept_set": outside, "kernel_ms": k_ms, "reference_ms": r_ms,
-                         "speedup": r_ms / k_ms, "kernel_tokens_per_s": batch / k_ms * 1e3,
-                         "reference_tokens_per_s": batch / r_ms * 1e3})
+            row = {"kernel": "sampling", "case": f"V={vocab} {name}", "tokens": batch,
+                   "draws_outside_kept_set": outside, "kernel_ms": k_ms, "reference_ms": r_ms,
+                   "speedup": r_ms / k_ms, "kernel_tokens_per_s": batch / k_ms * 1e3,
+                   "reference_tokens_per_s": batch / r_ms * 1e3, "kernel_logits_GBps": logits.nbytes / k_ms / 1e6}
+            if ceilings:
+                row["kernel_pct_of_copy_bw"] = 100 * row["kernel_logits_GBps"] / ceilings["copy_GBps"]
+            rows.append(row)
+            if on_row:
+                on_row(row)
     return rows
 
 
@@ -116,7 +187,7 @@ def bench_sampling(quick: bool, iters: int, interpret: bool) -> list[dict]:
 DENSE_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 
-def bench_dense(quick: bool, iters: int) -> list[dict]:
+def bench_dense(quick: bool, iters: int, ceilings: dict | None = None, on_row=None) -> list[dict]:
     """The CPU dense call on packed weights against XLA's dot on the same float32 weights: a chain of SmolLM2's
     four matmuls over its 30 layers (2 with --quick), each layer's weights its own (as the model reads them)."""
     layers = 2 if quick else 30
@@ -142,28 +213,50 @@ def bench_dense(quick: bool, iters: int) -> list[dict]:
         x = jnp.asarray(rng.standard_normal((m, DENSE_SHAPES[0][0]), np.float32))
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(kern(x, packed), ref(x, plain)))
         k_ms, r_ms = median_ms(kern, x, packed, iters=iters), median_ms(ref, x, plain, iters=iters)
-        rows.append({"kernel": "cpu_dense", "case": f"smollm2 x{layers} layers, {m} rows", "tokens": m,
-                     "max_rel_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
-                     "kernel_GFLOPs": flops_per_row * m / k_ms / 1e6,
-                     "reference_GFLOPs": flops_per_row * m / r_ms / 1e6})
+        row = {"kernel": "cpu_dense", "case": f"smollm2 x{layers} layers, {m} rows", "tokens": m,
+               "max_rel_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
+               "kernel_GFLOPs": flops_per_row * m / k_ms / 1e6, "reference_GFLOPs": flops_per_row * m / r_ms / 1e6}
+        if ceilings:
+            row["kernel_pct_of_matmul"] = 100 * row["kernel_GFLOPs"] / 1e3 / ceilings["matmul_TFLOPs"]
+        rows.append(row)
+        if on_row:
+            on_row(row)
     return rows
 
 
-def print_table(rows: list[dict], device: str) -> None:
+def row_line(r: dict) -> str:
+    """One row of the table: kernel, case, check, times, speedup, throughput (and its share of the ceilings)."""
+    pct = lambda key, what: f" = {r[key]:.1f}% of {what}" if key in r else ""  # noqa: E731
+    if r["kernel"] in ("paged_attention", "cpu_attention"):
+        check = f"{r['max_abs_err']:.1e}"
+        tput = (f"{r['kernel_kv_GBps']:.1f} GB/s K/V{pct('kernel_pct_of_copy_bw', 'copy')}, "
+                f"{r['kernel_TFLOPs']:.3g} TFLOP/s{pct('kernel_pct_of_matmul', 'matmul')} "
+                f"(ref {r['reference_kv_GBps']:.1f} GB/s)")
+    elif r["kernel"] == "cpu_dense":
+        check = f"{r['max_rel_err']:.1e} rel"
+        tput = (f"{r['kernel_GFLOPs']:.0f} GFLOP/s{pct('kernel_pct_of_matmul', 'matmul')} "
+                f"(ref {r['reference_GFLOPs']:.0f}: XLA's dot)")
+    else:
+        check = f"{r['draws_outside_kept_set']} outside"
+        tput = (f"{r['kernel_tokens_per_s']:,.0f} tok/s, {r['kernel_logits_GBps']:.1f} GB/s of logits"
+                f"{pct('kernel_pct_of_copy_bw', 'copy')} (ref {r['reference_tokens_per_s']:,.0f} tok/s)")
+    line = (f"{r['kernel']:<16}{r['case']:<32}{check:>12}{r['kernel_ms']:>11.3f}{r['reference_ms']:>10.3f}"
+            f"{r['speedup']:>8.2f}x  {tput}")
+    if "variants_ms" in r:
+        line += ("\n" + " " * 18 + "tuned: " + ", ".join(f"{k} {v:.3f}" for k, v in r["variants_ms"].items())
+                 + f"; best {r['best_variant']}: {r['best_kv_GBps']:.1f} GB/s{pct('best_pct_of_copy_bw', 'copy')}")
+    return line
+
+
+def print_table(rows: list[dict], device: str, ceilings: dict | None = None) -> None:
     print(f"\nKernels vs references on {device}")
-    print(f"{'kernel':<16}{'case':<30}{'check':>12}{'kernel ms':>11}{'ref ms':>10}{'speedup':>9}  throughput")
+    if ceilings:
+        print(f"Ceilings measured in this run: copy {ceilings['copy_GBps']:,.0f} GB/s (read + write, "
+              f"{ceilings['copy_bytes'] >> 20} MiB), matmul {ceilings['matmul_TFLOPs']:.3g} TFLOP/s "
+              f"({ceilings['matmul_n']}^3 {ceilings['dtype']})")
+    print(f"{'kernel':<16}{'case':<32}{'check':>12}{'kernel ms':>11}{'ref ms':>10}{'speedup':>9}  throughput")
     for r in rows:
-        if r["kernel"] in ("paged_attention", "cpu_attention"):
-            check = f"{r['max_abs_err']:.1e}"
-            tput = f"{r['kernel_kv_GBps']:.1f} GB/s K/V (ref {r['reference_kv_GBps']:.1f})"
-        elif r["kernel"] == "cpu_dense":
-            check = f"{r['max_rel_err']:.1e} rel"
-            tput = f"{r['kernel_GFLOPs']:.0f} GFLOP/s (ref {r['reference_GFLOPs']:.0f}: XLA's dot)"
-        else:
-            check = f"{r['draws_outside_kept_set']} outside"
-            tput = f"{r['kernel_tokens_per_s']:,.0f} tok/s (ref {r['reference_tokens_per_s']:,.0f})"
-        print(f"{r['kernel']:<16}{r['case']:<30}{check:>12}{r['kernel_ms']:>11.3f}{r['reference_ms']:>10.3f}"
-              f"{r['speedup']:>8.2f}x  {tput}")
+        print(row_line(r))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -173,6 +266,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="one kernel (dense: the CPU dense call, on a CPU that builds it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="q and KV pool dtype (default: bfloat16 on GPU, float32 off GPU)")
+    p.add_argument("--tune", action="store_true",
+                   help="also time the Pallas kernel's kv_blocks / num_splits variants on each decode case")
+    p.add_argument("--no-ceilings", action="store_true",
+                   help="skip measuring the device's copy bandwidth and matmul rate (no % columns)")
     p.add_argument("--output-json", default="bench_results/kernels.json")
 
 
@@ -180,26 +277,34 @@ def main(ns: argparse.Namespace) -> list[dict]:
     gpu = platform_is_gpu()
     interpret = not gpu
     quick = ns.quick or not gpu
-    cpu_kernel = jax.default_backend() == "cpu" and cpu_attention.available()  # full shapes unless --quick
+    # the C++ attention off GPU (full shapes unless --quick); --tune times the Pallas kernel's variants instead
+    cpu_kernel = jax.default_backend() == "cpu" and cpu_attention.available() and not ns.tune
     iters = ns.iters or (20 if gpu else 2)
     device = jax.devices()[0].device_kind + (" (Triton)" if gpu else " (attention: the C++ CPU kernel; sampling: "
                                              "Pallas interpreter, times are not kernel speed)" if cpu_kernel
                                              else " (Pallas interpreter: times are not kernel speed)")
     dtype = jnp.dtype(ns.dtype or ("bfloat16" if gpu else "float32"))
+    ceilings = None if ns.no_ceilings else device_ceilings.measure(gpu, ns.quick, dtype)
     rows = []
+
+    def on_row(row: dict) -> None:  # print and save as it goes: a run cut short keeps what it measured
+        print(row_line(row), flush=True)
+        rows.append(row)
+        if ns.output_json:
+            os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
+            with open(ns.output_json, "w") as f:
+                json.dump({"device": device, "dtype": jnp.dtype(dtype).name, "quick": quick,
+                           "attention_quick": ns.quick if cpu_kernel else quick, "ceilings": ceilings,
+                           "rows": rows}, f, indent=2)
+
     if ns.only in (None, "attention"):
-        rows += bench_attention(ns.quick if cpu_kernel else quick, ns.iters or (10 if cpu_kernel else iters),
-                                interpret, dtype, "cpu" if cpu_kernel else "pallas")
+        bench_attention(ns.quick if cpu_kernel else quick, ns.iters or (10 if cpu_kernel else iters), interpret,
+                        dtype, "cpu" if cpu_kernel else "pallas", ceilings, on_row, ns.tune)
     if ns.only in (None, "sampling"):
-        rows += bench_sampling(quick, iters, interpret)
+        bench_sampling(quick, iters, interpret, ceilings, on_row)
     if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():
-        rows += bench_dense(ns.quick, ns.iters or 10)
-    print_table(rows, device)
-    if ns.output_json:
-        os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
-        with open(ns.output_json, "w") as f:
-            json.dump({"device": device, "dtype": jnp.dtype(dtype).name, "quick": quick,
-                       "attention_quick": ns.quick if cpu_kernel else quick, "rows": rows}, f, indent=2)
+        bench_dense(ns.quick, ns.iters or 10, ceilings, on_row)
+    print_table(rows, device, ceilings)
     return rows
 
 

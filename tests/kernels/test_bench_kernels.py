@@ -11,7 +11,9 @@ def test_bench_kernels_quick_checks_and_writes_json(tmp_path, capsys):
     ns.func(ns)
     data = json.loads(out.read_text())
     rows = {(r["kernel"].replace("cpu_attention", "paged_attention"), r["case"]): r for r in data["rows"]}
-    assert ("paged_attention", "llama3-8b decode") in rows and ("sampling", "V=128256 top-p 0.9") in rows
+    assert ("paged_attention", "llama3-8b decode 8x128") in rows and ("sampling", "V=128256 top-p 0.9") in rows
+    assert ("paged_attention", "smollm2-135m prefill 2x64") in rows
+    assert data["ceilings"]["copy_GBps"] > 0 and data["ceilings"]["matmul_TFLOPs"] > 0
     import jax
 
     from pallas_kernels import cpu_dense
@@ -21,6 +23,8 @@ def test_bench_kernels_quick_checks_and_writes_json(tmp_path, capsys):
         assert r["kernel_ms"] > 0 and r["reference_ms"] > 0
         if r["kernel"] in ("paged_attention", "cpu_attention"):
             assert r["max_abs_err"] < 1e-4
+            assert r["kernel_TFLOPs"] == r["causal_flops"] / r["kernel_ms"] / 1e9
+            assert r["kernel_pct_of_copy_bw"] == 100 * r["kernel_kv_GBps"] / data["ceilings"]["copy_GBps"]
         elif r["kernel"] == "cpu_dense":
             assert r["max_rel_err"] < 1e-5
         else:
@@ -43,3 +47,43 @@ def test_bench_kernels_on_cpu_times_the_cpu_attention(tmp_path, monkeypatch):
         data = json.loads(out.read_text())
         assert data["dtype"] == "bfloat16" and {r["kernel"] for r in data["rows"]} == {kernel}
         assert all(r["max_abs_err"] < 5e-2 for r in data["rows"])
+
+
+def test_causal_flops_and_the_gpu_grid():
+    from jaxpaged.bench.kernels import attention_workloads, causal_flops
+    # a decode token at position 1,024 sees 1,025 keys; a fresh 3-token prompt sees 1 + 2 + 3
+    assert causal_flops([(1024, 1)], heads=2, d=8) == 4 * 2 * 8 * 1025
+    assert causal_flops([(0, 3)], heads=1, d=1) == 4 * 6
+    gpu = attention_workloads(gpu_shapes=True, quick=False)
+    decodes = {name: seqs for name, seqs in gpu.items() if name.startswith("decode")}
+    assert {(len(s), s[0][0]) for s in decodes.values()} == {(n, c) for n in (64, 256, 512) for c in (1024, 8192)}
+    assert "mixed" in gpu and gpu["prefill 4x2k"] == [(0, 2048)] * 4
+
+
+def test_bench_kernels_saves_each_case_as_it_goes(tmp_path, monkeypatch):
+    """A run cut short (a stage's time limit on the GPU machine) keeps the rows it measured."""
+    from jaxpaged.bench import kernels
+
+    def cut_short(*args, **kwargs):
+        raise TimeoutError("cut short")
+
+    monkeypatch.setattr(kernels, "bench_sampling", cut_short)
+    out = tmp_path / "kernels.json"
+    ns = build_parser().parse_args(["bench", "kernels", "--quick", "--iters", "1", "--output-json", str(out)])
+    try:
+        ns.func(ns)
+    except TimeoutError:
+        pass
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(r["kernel"] in ("paged_attention", "cpu_attention") for r in rows)
+
+
+def test_tune_times_each_variant_after_checking_it():
+    """--tune: every (kv_blocks, num_splits) variant is checked against the default's output, then timed."""
+    import jax.numpy as jnp
+
+    from jaxpaged.bench import kernels
+
+    args, _ = kernels.attention_case([(100, 1), (40, 1)], 6, 2, 16, jnp.float32)
+    times = kernels.tune_decode(args, 0.25, interpret=True, iters=1)
+    assert list(times) == [f"kv{kb}_split{ns}" for kb, ns in kernels.TUNE_CONFIGS] and min(times.values()) > 0

@@ -1,5 +1,7 @@
 """The Pallas ragged paged-attention kernel equals the plain-JAX reference (interpreter) and lowers for CUDA."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,38 @@ def test_kernel_matches_reference(case, group):
     x = make_step(np.random.default_rng(group), CASES[case], group=group, kh=2, d=16)
     got, ref = run_both(x)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kv_blocks,num_splits", [(4, 1), (32, 1), (1, 3), (2, 8)])
+def test_wider_steps_and_split_contexts_match_reference(case, kv_blocks, num_splits):
+    """kv_blocks blocks per step (32: wider than the 16-block table, padded) and the context split over
+    programs then merged: the same attention. ("edges" has a sequence that fills its table and a 1-token one,
+    which leaves most splits empty.)"""
+    x = make_step(np.random.default_rng(kv_blocks + num_splits), CASES[case], group=3, kh=2, d=16)
+    got, ref = run_both(x, kv_blocks=kv_blocks, num_splits=num_splits)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_wider_steps_and_splits_with_a_window_and_narrow_pool():
+    from pallas_kernels.kv_storage import encode, storage_dtype
+
+    x = make_step(np.random.default_rng(12), CASES["long prefill"], group=4, kh=1, d=32)
+    x["pool"] = encode(x["pool"], storage_dtype(jnp.bfloat16))
+    got, ref = run_both(x, 20, kv_blocks=2, num_splits=2)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_split_merge_weighs_each_split_by_its_softmax_mass():
+    from pallas_kernels.paged_attention import combine_splits
+
+    # two splits over one row: keys with scores (0, ln 3) and values (1, 5): softmax 1/4, 3/4 -> 4
+    acc = jnp.array([1.0, 15.0])[:, None, None, None] * jnp.exp(-jnp.array([0.0, np.log(3)]))[:, None, None, None]
+    m, l = jnp.array([0.0, np.log(3)])[:, None, None], jnp.ones((2, 1, 1))
+    np.testing.assert_allclose(combine_splits(acc, m, l)[0, 0, 0], 4.0, rtol=1e-6)
+    empty = combine_splits(jnp.stack([acc[0], jnp.zeros_like(acc[0])]), jnp.stack([m[0], jnp.full_like(m[0], -1e30)]),
+                           jnp.stack([l[0], jnp.zeros_like(l[0])]))
+    np.testing.assert_allclose(empty[0, 0, 0], 1.0, rtol=1e-6)  # an empty split (m -1e30, l 0) weighs nothing
 
 
 @pytest.mark.parametrize("d,block_size,window", [(64, 16, None), (128, 32, None), (64, 32, 20)])
@@ -106,6 +140,11 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
     t, s, table_width = 512, 64, 128
     args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), kv_dtype), spec((), jnp.int32),
             spec((s, table_width), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
-    f = lambda *a: ragged_paged_attention(*a, sm_scale=d ** -0.5)  # noqa: E731
-    text = lower_for_cuda(f, *args)
-    assert "triton" in text.lower()
+    for kv_blocks, num_splits in ((1, 1), (8, 1), (4, 4)):
+        f = lambda *a, kb=kv_blocks, ns=num_splits: ragged_paged_attention(  # noqa: E731
+            *a, sm_scale=d ** -0.5, kv_blocks=kb, num_splits=ns)
+        text = lower_for_cuda(f, *args)
+        assert "triton" in text.lower()
+        name = "ragged_paged_attention_m16" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "") + (
+            f"_split{num_splits}" if num_splits > 1 else "")
+        assert re.search(re.escape(name) + r"(?!_)\b", text), name  # that variant was lowered
