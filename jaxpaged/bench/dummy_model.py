@@ -38,5 +38,6 @@ def write_dummy_model(path: str, shape: str | dict = "tiny", *, max_position_emb
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}").save_pretrained(path)
+                            chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",
+                            ).save_pretrained(path)
     return path

@@ -68,7 +68,8 @@ def measure(num_seqs: int, steps: int, model_dir: str, seed: int = 0) -> dict:
     for i in range(num_seqs):
         prompt = rng.integers(3, 500, size=int(rng.integers(16, 65))).tolist()
         engine.add_request(str(i), prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+    sched = engine.scheduler
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
         engine.step()  # prefill everything
     times = []
     with timer.reset():

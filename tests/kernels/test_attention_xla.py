@@ -9,7 +9,6 @@ from jaxpaged.attention_xla import split_ragged_paged_attention
 from pallas_kernels.paged_attention import reference_ragged_paged_attention
 from tests.kernels.attention_inputs import make_step
 
-
 CASES = {
     "decode only": [(5, 1), (16, 1), (17, 1), (100, 1)],
     "fresh prefills": [(0, 7), (0, 16), (0, 33)],

@@ -56,7 +56,8 @@ def test_penalties_match_numpy():
                                                             presence_penalty=pres.astype(np.float32),
                                                             frequency_penalty=freq.astype(np.float32)))
     for i in range(S):
-        want = numpy_penalties(logits[i], np.array(prompts[i], int), np.array(outputs[i], int), rep[i], pres[i], freq[i])
+        want = numpy_penalties(logits[i], np.array(prompts[i], int), np.array(outputs[i], int), rep[i], pres[i],
+                               freq[i])
         np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-6, atol=1e-6)
 
 
@@ -109,4 +110,5 @@ def test_reset_clears_a_reused_slot():
     p = inputs([0], token_slot=np.array([0], np.int32), token_is_output=np.array([False]),
                reset_slots=np.array([True, False, False, False]))
     state = update_row_state(state, p, jnp.array([9], jnp.int32))
-    assert int(state.output_counts[0].sum()) == 0 and bool(state.prompt_seen[0, 9]) and not bool(state.prompt_seen[0, 1])
+    assert int(state.output_counts[0].sum()) == 0
+    assert bool(state.prompt_seen[0, 9]) and not bool(state.prompt_seen[0, 1])
