@@ -20,6 +20,7 @@ Two implementations with one meaning:
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +222,22 @@ def _ragged_paged_attention_kernel(
             plgpu.store(o_ref.at[head, out_rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
+VARIANT_ENV = "JAXPAGED_PALLAS_ATTENTION"
+
+
+def kernel_variant() -> dict[str, int]:
+    """The Triton kernel's kv_blocks and num_splits when a call names neither: 1 and 1 (not yet timed on a GPU
+    against the others), or as $JAXPAGED_PALLAS_ATTENTION sets them, e.g. "kv_blocks=8,num_splits=4" (read when
+    a step is traced: to time the engine with a variant `jaxpaged bench kernels --tune` found faster)."""
+    variant = {"kv_blocks": 1, "num_splits": 1}
+    for item in filter(None, os.environ.get(VARIANT_ENV, "").replace(" ", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in variant or not value.isdigit():
+            raise ValueError(f"${VARIANT_ENV}: expected kv_blocks=N,num_splits=N, got {item!r}")
+        variant[key] = int(value)
+    return variant
+
+
 def ragged_paged_attention(
     q: Float[Array, "T H D"],
     kv_pool: Float[Array, "L 2 N bs KH D"],
@@ -232,8 +249,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_m: int = 16,
-    kv_blocks: int = 1,
-    num_splits: int = 1,
+    kv_blocks: int | None = None,
+    num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -255,6 +272,7 @@ def ragged_paged_attention(
         loads per step (the block ids gathered from the table) for small blocks and heads.
       num_splits: programs per (tile, KV head), each walking a share of the context (flash-decoding), their
         float32 partial results combined after: more programs in flight for few, long sequences.
+        Both default to `kernel_variant()` (1 and 1 unless $JAXPAGED_PALLAS_ATTENTION says otherwise).
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [T, H, D] in q's dtype.
     """
@@ -268,6 +286,9 @@ def ragged_paged_attention(
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
+    variant = kernel_variant()
+    kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
+    num_splits = variant["num_splits"] if num_splits is None else num_splits
     if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:
         raise ValueError(f"kv_blocks must be a power of two and num_splits >= 1, got {kv_blocks}, {num_splits}")
     return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,

@@ -4,7 +4,8 @@ JAX's persistent compilation cache skips XLA's compile, but it is keyed by the l
 traces the whole model once per token bucket (~0.5 s a bucket for SmolLM2 on 2 cores, most of a warm start).
 This cache keeps each bucket's traced step (`jax.export`), keyed by what a trace depends on: the engine config
 and model structure, the step's argument shapes, dtypes and devices, the jax and jaxlib versions, the backend
-and this CPU, a few numerics flags, and the source of jaxpaged and pallas_kernels (so any code change misses).
+and this CPU, a few numerics flags and environment variables, and the source of jaxpaged and pallas_kernels (so
+any code change misses).
 An entry is one bucket's serialized module with a checksum, written under a temporary name and then renamed; a
 damaged or unusable entry is logged and traced again (and replaced). A warm start deserializes and compiles the
 module, which XLA's persistent cache answers. (Compiled executables are not kept here: jaxlib 0.10's CPU
@@ -79,7 +80,14 @@ def _environment() -> str:
     flags = {name: str(getattr(jax.config, name, None)) for name in _FLAGS}
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     versions = (jax.__version__, jaxlib.__version__, flax.__version__, ml_dtypes.__version__)
-    return repr((versions, jax.default_backend(), devices, _cpu_identity(), flags, os.environ.get("XLA_FLAGS", "")))
+    return repr((versions, jax.default_backend(), devices, _cpu_identity(), flags))
+
+
+def _trace_environment() -> str:
+    """The environment variables a trace reads, as they are now: XLA_FLAGS and the Pallas attention's variant."""
+    from pallas_kernels.paged_attention import VARIANT_ENV
+
+    return repr([os.environ.get(name, "") for name in ("XLA_FLAGS", VARIANT_ENV)])
 
 
 def _describe(args) -> str:
@@ -95,7 +103,8 @@ class StepCache:
         """what: everything else the steps are built from (the engine config and model structure); shared_args:
         the arguments every bucket takes (their shapes go into the key); custom_calls: the FFI targets the steps
         may call (allowed in the exported modules)."""
-        key = hashlib.sha256(repr((FORMAT, source_digest(), _environment(), what, _describe(shared_args))).encode())
+        key = hashlib.sha256(repr((FORMAT, source_digest(), _environment(), _trace_environment(), what,
+                                   _describe(shared_args))).encode())
         self.root = root
         self.dir = root / key.hexdigest()[:32]
         self.custom_calls = custom_calls

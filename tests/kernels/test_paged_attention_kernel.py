@@ -148,3 +148,18 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
         name = "ragged_paged_attention_m16" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "") + (
             f"_split{num_splits}" if num_splits > 1 else "")
         assert re.search(re.escape(name) + r"(?!_)\b", text), name  # that variant was lowered
+
+
+def test_variant_from_the_environment(monkeypatch):
+    """$JAXPAGED_PALLAS_ATTENTION picks the variant a call that names none gets (to time the engine with it)."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((64, 9, 64), jnp.bfloat16), spec((2, 2, 256, 16, 3, 64), jnp.bfloat16), spec((), jnp.int32),
+            spec((8, 32), jnp.int32), spec((64,), jnp.int32), spec((64,), jnp.int32))
+    lowered = lambda: lower_for_cuda(lambda *a: ragged_paged_attention(*a, sm_scale=0.125), *args)  # noqa: E731
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=8, num_splits=2")  # (a new trace each time)
+    assert "ragged_paged_attention_m16_kv8_split2" in lowered()
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=eight")
+    with pytest.raises(ValueError, match="JAXPAGED_PALLAS_ATTENTION"):
+        lowered()
+    monkeypatch.delenv("JAXPAGED_PALLAS_ATTENTION")
+    assert re.search(r"ragged_paged_attention_m16(?!_)\b", lowered())

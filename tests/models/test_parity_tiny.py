@@ -102,6 +102,18 @@ def test_pallas_backends_in_the_interpreter_match_hf(tiny_model_dir):
                 assert tok in np.argsort(-hf_last_logits(hf, ids + toks[:j]))[:3]
 
 
+def test_pallas_attention_variant_in_the_engine_matches_hf(tiny_model_dir, monkeypatch):
+    """The Triton attention's wider steps and split contexts ($JAXPAGED_PALLAS_ATTENTION, interpreted) under the
+    engine's own steps (decodes, prefill chunks, padding): greedy tokens still equal HF's."""
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=2,num_splits=3")
+    path = tiny_model_dir("llama")
+    hf = load_hf_model(path)
+    llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True, attention_backend="pallas")
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts(), outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 12), f"prompt of {len(ids)} tokens"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bfloat16_weights_keep_float32_activations_on_cpu(arch, tiny_model_dir):
     """bf16 weights on a CPU: float32 residual stream, bf16 matmul inputs with float32 accumulation. Logits are

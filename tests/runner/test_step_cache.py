@@ -97,6 +97,9 @@ def test_other_configuration_or_code_is_traced_again(tiny_model_dir, cache_dir, 
     monkeypatch.setattr(step_cache, "source_digest", lambda: "edited")
     engine(path)  # other code: another key
     assert traces[0] == 3 * buckets and len(os.listdir(cache_dir)) == 3
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "num_splits=2")
+    engine(path)  # another attention variant read at trace time: another key
+    assert traces[0] == 4 * buckets and len(os.listdir(cache_dir)) == 4
 
 
 def test_a_read_only_cache_is_used_and_not_written(tiny_model_dir, cache_dir, traces, caplog, monkeypatch):
