@@ -286,9 +286,10 @@ def ragged_paged_attention(
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
-    variant = kernel_variant()
-    kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
-    num_splits = variant["num_splits"] if num_splits is None else num_splits
+    if kv_blocks is None or num_splits is None:
+        variant = kernel_variant()
+        kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
+        num_splits = variant["num_splits"] if num_splits is None else num_splits
     if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:
         raise ValueError(f"kv_blocks must be a power of two and num_splits >= 1, got {kv_blocks}, {num_splits}")
     return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             cmd[cmd.index("--output-json") + 1] = out
         else:
             cmd += ["--output-json", out]
+        if os.path.exists(out):  # (the summary below reads it: nothing from an earlier run)
+            os.remove(out)
         limit = STAGES[name][1 if ns.smoke else 0]
         t0 = time.perf_counter()
         try:

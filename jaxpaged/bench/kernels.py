@@ -99,19 +99,22 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
 TUNE_CONFIGS = ((1, 1), (4, 1), (8, 1), (1, 4), (4, 4), (8, 8))
 
 
-def tune_decode(args, sm: float, interpret: bool, iters: int) -> dict[str, float]:
-    """Kernel ms of each `TUNE_CONFIGS` variant on one case (each checked against the default's output)."""
-    times, base = {}, None
+def tune_decode(args, sm: float, interpret: bool, iters: int, reference) -> tuple[dict[str, float], dict[str, float]]:
+    """Kernel ms and max abs error against `reference` (the plain-JAX output) of each `TUNE_CONFIGS` variant on
+    one case. A variant further from the reference than twice the first's error (and 2e-3) fails the run: in bf16
+    both differ from it by rounding alone, while a lost block moves outputs by ~1e-3 at 8k keys."""
+    times, errors = {}, {}
     for kv_blocks, splits in TUNE_CONFIGS:
         f = jax.jit(lambda *a, kb=kv_blocks, ns=splits: ragged_paged_attention(
             *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret))
-        out = f(*args).astype(jnp.float32)
-        base = out if base is None else base
-        err = float(jnp.max(jnp.abs(out - base)))
-        if not err <= 2e-2:
-            raise AssertionError(f"kv_blocks={kv_blocks} num_splits={splits} differs from the default by {err}")
-        times[f"kv{kv_blocks}_split{splits}"] = median_ms(f, *args, iters=iters)
-    return times
+        name = f"kv{kv_blocks}_split{splits}"
+        errors[name] = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - reference)))
+        allowed = max(2 * next(iter(errors.values())), 2e-3)
+        if not errors[name] <= allowed:
+            raise AssertionError(f"kv_blocks={kv_blocks} num_splits={splits}: max abs error {errors[name]:.2e} "
+                                 f"against the reference, more than {allowed:.2e}")
+        times[name] = median_ms(f, *args, iters=iters)
+    return times, errors
 
 
 def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas",
@@ -120,8 +123,14 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
     `device_ceilings.measure` (adds the % columns); on_row(row) is called as each case is done. tune (Pallas):
     also time the kernel's `TUNE_CONFIGS` on each decode case (row["variants_ms"], row["best_variant"])."""
     rows = []
-    for model, (h, kh, d) in MODEL_SHAPES.items():
-        for name, seqs in attention_workloads(backend == "pallas" and not interpret, quick).items():
+    # --tune: decode cases only, Llama-3-8B's first and the longest contexts first (a stage cut short keeps those)
+    models = list(MODEL_SHAPES.items())[::-1] if tune else MODEL_SHAPES.items()
+    for model, (h, kh, d) in models:
+        workloads = attention_workloads(backend == "pallas" and not interpret, quick)
+        if tune:
+            workloads = dict(sorted(((n, w) for n, w in workloads.items() if n.startswith("decode")),
+                                    key=lambda item: -item[1][0][0]))
+        for name, seqs in workloads.items():
             args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
             sm = d ** -0.5
             if backend == "cpu":
@@ -129,8 +138,10 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
             else:
                 kern = jax.jit(lambda *a, sm=sm: ragged_paged_attention(*a, sm_scale=sm, interpret=interpret))
             ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
-            err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - ref(*args).astype(jnp.float32))))
-            k_ms, r_ms = median_ms(kern, *args, iters=iters), median_ms(ref, *args, iters=iters)
+            expected = ref(*args).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - expected)))
+            k_ms = median_ms(kern, *args, iters=iters)
+            r_ms = median_ms(ref, *args, iters=iters, budget_s=0.5 if tune else 2.0)
             flops = causal_flops(seqs, h, d)
             row = {"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
                    "case": f"{model} {name}", "tokens": int(args[0].shape[0]), "sequences": len(seqs),
@@ -142,7 +153,7 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
                 row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
                 row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
             if tune and backend == "pallas" and name.startswith("decode"):
-                row["variants_ms"] = tune_decode(args, sm, interpret, iters)
+                row["variants_ms"], row["variants_max_abs_err"] = tune_decode(args, sm, interpret, iters, expected)
                 row["best_variant"] = min(row["variants_ms"], key=row["variants_ms"].get)
                 best_ms = row["variants_ms"][row["best_variant"]]
                 row["best_kv_GBps"] = kv_bytes / best_ms / 1e6

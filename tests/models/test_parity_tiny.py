@@ -105,11 +105,21 @@ def test_pallas_backends_in_the_interpreter_match_hf(tiny_model_dir):
 def test_pallas_attention_variant_in_the_engine_matches_hf(tiny_model_dir, monkeypatch):
     """The Triton attention's wider steps and split contexts ($JAXPAGED_PALLAS_ATTENTION, interpreted) under the
     engine's own steps (decodes, prefill chunks, padding): greedy tokens still equal HF's."""
+    from pallas_kernels import paged_attention
+
     monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=2,num_splits=3")
+    traced, real = set(), paged_attention._ragged_paged_attention
+
+    def spy(*args, **kw):
+        traced.add((kw["kv_blocks"], kw["num_splits"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(paged_attention, "_ragged_paged_attention", spy)
     path = tiny_model_dir("llama")
     hf = load_hf_model(path)
     llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=64, compile_guard=True, attention_backend="pallas")
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert traced == {(2, 3)}  # the engine's steps ran the variant
     for ids, out in zip(prompts(), outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 12), f"prompt of {len(ids)} tokens"
 
