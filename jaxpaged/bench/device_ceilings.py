@@ -16,30 +16,34 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _median_s(fn, *args, iters: int) -> float:
+def median_ms(fn, *args, iters: int, budget_s: float = 2.0) -> float:
+    """Median wall time of fn(*args) in ms over `iters` runs after one warm-up (compile) run, fewer (at least
+    3) where they would take longer than budget_s (a slow reference at the largest shapes)."""
     jax.block_until_ready(fn(*args))
-    times = []
+    times, spent = [], 0.0
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        spent += times[-1]
+        if len(times) >= 3 and spent > budget_s:
+            break
+    return 1e3 * float(np.median(times))
 
 
 def copy_bandwidth_GBps(nbytes: int, dtype=jnp.bfloat16, iters: int = 10) -> float:
     """Bytes read plus bytes written per second by a jitted elementwise copy (x + 1) of an nbytes buffer."""
     x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
-    seconds = _median_s(jax.jit(lambda a: a + jnp.asarray(1, dtype)), x, iters=iters)
-    return 2 * x.nbytes / seconds / 1e9
+    ms = median_ms(jax.jit(lambda a: a + jnp.asarray(1, dtype)), x, iters=iters)
+    return 2 * x.nbytes / ms / 1e6
 
 
 def matmul_TFLOPs(n: int, dtype=jnp.bfloat16, iters: int = 10) -> float:
     """2 n^3 per second of a jitted [n, n] @ [n, n] on random data in dtype (float32 accumulation)."""
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
     a, b = jax.random.normal(ka, (n, n), dtype), jax.random.normal(kb, (n, n), dtype)
-    seconds = _median_s(jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=jnp.float32)), a, b,
-                        iters=iters)
-    return 2 * n ** 3 / seconds / 1e12
+    ms = median_ms(jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=jnp.float32)), a, b, iters=iters)
+    return 2 * n ** 3 / ms / 1e9
 
 
 def measure(gpu: bool, quick: bool, dtype) -> dict:

@@ -21,34 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.bench import device_ceilings
+from jaxpaged.bench.device_ceilings import median_ms
 from jaxpaged.config import platform_is_gpu
 from pallas_kernels import cpu_attention, cpu_dense
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_mask, top_k_top_p_sampling
 
 MODEL_SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
-
-
-def median_ms(fn, *args, iters: int, budget_s: float = 2.0) -> float:
-    """Median wall time of fn(*args) in ms over `iters` runs after one warm-up (compile) run, fewer (at least
-    3) where they would take longer than budget_s (a slow reference at the largest shapes)."""
-    jax.block_until_ready(fn(*args))
-    times, spent = [], 0.0
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-        if len(times) >= 3 and spent > budget_s:
-            break
-    return 1e3 * float(np.median(times))
 
 
 def causal_flops(seqs: list[tuple[int, int]], heads: int, d: int) -> int:
@@ -118,11 +104,10 @@ def tune_decode(args, sm: float, interpret: bool, iters: int, reference) -> tupl
 
 
 def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas",
-                    ceilings: dict | None = None, on_row=None, tune: bool = False) -> list[dict]:
-    """backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++ CPU kernel. ceilings: from
-    `device_ceilings.measure` (adds the % columns); on_row(row) is called as each case is done. tune (Pallas):
-    also time the kernel's `TUNE_CONFIGS` on each decode case (row["variants_ms"], row["best_variant"])."""
-    rows = []
+                    ceilings: dict | None = None, tune: bool = False) -> Iterator[dict]:
+    """Each case's row as it is done. backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++
+    CPU kernel. ceilings: from `device_ceilings.measure` (adds the % columns). tune (Pallas): decode cases only,
+    each also timing the kernel's `TUNE_CONFIGS` (row["variants_ms"], row["best_variant"])."""
     # --tune: decode cases only, Llama-3-8B's first and the longest contexts first (a stage cut short keeps those)
     models = list(MODEL_SHAPES.items())[::-1] if tune else MODEL_SHAPES.items()
     for model, (h, kh, d) in models:
@@ -152,24 +137,19 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
             if ceilings:
                 row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
                 row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
-            if tune and backend == "pallas" and name.startswith("decode"):
+            if tune:
                 row["variants_ms"], row["variants_max_abs_err"] = tune_decode(args, sm, interpret, iters, expected)
                 row["best_variant"] = min(row["variants_ms"], key=row["variants_ms"].get)
                 best_ms = row["variants_ms"][row["best_variant"]]
                 row["best_kv_GBps"] = kv_bytes / best_ms / 1e6
                 if ceilings:
                     row["best_pct_of_copy_bw"] = 100 * row["best_kv_GBps"] / ceilings["copy_GBps"]
-            rows.append(row)
-            if on_row:
-                on_row(row)
-    return rows
+            yield row
 
 
-def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None,
-                   on_row=None) -> list[dict]:
+def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None) -> Iterator[dict]:
     """64 rows (quick: 8) of 49k and 128k logits; the logits' bytes per second against the copy bandwidth."""
     batch = 8 if quick else 64
-    rows = []
     for vocab in (49_152, 128_256):
         logits = jax.random.normal(jax.random.PRNGKey(vocab), (batch, vocab), jnp.float32) * 3
         keys = jax.random.split(jax.random.PRNGKey(1), batch)
@@ -188,17 +168,14 @@ def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | No
                    "reference_tokens_per_s": batch / r_ms * 1e3, "kernel_logits_GBps": logits.nbytes / k_ms / 1e6}
             if ceilings:
                 row["kernel_pct_of_copy_bw"] = 100 * row["kernel_logits_GBps"] / ceilings["copy_GBps"]
-            rows.append(row)
-            if on_row:
-                on_row(row)
-    return rows
+            yield row
 
 
 # SmolLM2-135M's matmuls per layer, (K, N): q/k/v fused, o, gate/up fused, down
 DENSE_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 
-def bench_dense(quick: bool, iters: int, ceilings: dict | None = None, on_row=None) -> list[dict]:
+def bench_dense(quick: bool, iters: int, ceilings: dict | None = None) -> Iterator[dict]:
     """The CPU dense call on packed weights against XLA's dot on the same float32 weights: a chain of SmolLM2's
     four matmuls over its 30 layers (2 with --quick), each layer's weights its own (as the model reads them)."""
     layers = 2 if quick else 30
@@ -219,7 +196,6 @@ def bench_dense(quick: bool, iters: int, ceilings: dict | None = None, on_row=No
         return jax.jit(run)
 
     kern, ref = chain(cpu_dense.packed_dense), chain(lambda x, w: x @ w)
-    rows = []
     for m in (8, 64) if quick else (8, 16, 32, 64, 128, 256, 512):
         x = jnp.asarray(rng.standard_normal((m, DENSE_SHAPES[0][0]), np.float32))
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(kern(x, packed), ref(x, plain)))
@@ -229,10 +205,7 @@ def bench_dense(quick: bool, iters: int, ceilings: dict | None = None, on_row=No
                "kernel_GFLOPs": flops_per_row * m / k_ms / 1e6, "reference_GFLOPs": flops_per_row * m / r_ms / 1e6}
         if ceilings:
             row["kernel_pct_of_matmul"] = 100 * row["kernel_GFLOPs"] / 1e3 / ceilings["matmul_TFLOPs"]
-        rows.append(row)
-        if on_row:
-            on_row(row)
-    return rows
+        yield row
 
 
 def row_line(r: dict) -> str:
@@ -296,10 +269,18 @@ def main(ns: argparse.Namespace) -> list[dict]:
                                              else " (Pallas interpreter: times are not kernel speed)")
     dtype = jnp.dtype(ns.dtype or ("bfloat16" if gpu else "float32"))
     ceilings = None if ns.no_ceilings else device_ceilings.measure(gpu, ns.quick, dtype)
+    kernels = []  # each a generator of rows, made when its turn comes
+    if ns.only in (None, "attention"):
+        kernels.append(lambda: bench_attention(ns.quick if cpu_kernel else quick,
+                                               ns.iters or (10 if cpu_kernel else iters), interpret, dtype,
+                                               "cpu" if cpu_kernel else "pallas", ceilings, ns.tune))
+    if ns.only in (None, "sampling"):
+        kernels.append(lambda: bench_sampling(quick, iters, interpret, ceilings))
+    if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():
+        kernels.append(lambda: bench_dense(ns.quick, ns.iters or 10, ceilings))
     rows = []
-
-    def on_row(row: dict) -> None:  # print and save as it goes: a run cut short keeps what it measured
-        print(row_line(row), flush=True)
+    for row in (row for kernel in kernels for row in kernel()):  # print and save each as it comes: a run cut
+        print(row_line(row), flush=True)                         # short keeps what it measured
         rows.append(row)
         if ns.output_json:
             os.makedirs(os.path.dirname(ns.output_json) or ".", exist_ok=True)
@@ -307,14 +288,6 @@ def main(ns: argparse.Namespace) -> list[dict]:
                 json.dump({"device": device, "dtype": jnp.dtype(dtype).name, "quick": quick,
                            "attention_quick": ns.quick if cpu_kernel else quick, "ceilings": ceilings,
                            "rows": rows}, f, indent=2)
-
-    if ns.only in (None, "attention"):
-        bench_attention(ns.quick if cpu_kernel else quick, ns.iters or (10 if cpu_kernel else iters), interpret,
-                        dtype, "cpu" if cpu_kernel else "pallas", ceilings, on_row, ns.tune)
-    if ns.only in (None, "sampling"):
-        bench_sampling(quick, iters, interpret, ceilings, on_row)
-    if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():
-        bench_dense(ns.quick, ns.iters or 10, ceilings, on_row)
     print_table(rows, device, ceilings)
     return rows
 
