@@ -4,7 +4,8 @@ XLA:CPU's dot repacks its weight operand on every call and runs the few-row prod
 steps well below its large-matrix rate. `pack` lays a [K, N] float32 weight out as column panels [N / panel, K,
 panel] (panel: two vector registers of this CPU, 32 floats with AVX-512, else 16) once, when the model loads;
 `packed_dense(x, wp)` is then x @ w read panel by panel. Same values as `x @ w` up to float32 summation order
-(tested against it).
+(tested against it). `rows` (a traced count) multiplies only x's first rows and zeros the rest: a step padded to
+its token bucket then pays for its tokens, as if run at its exact size, with no compile per size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from pallas_kernels import cpu_build
 
@@ -49,13 +50,16 @@ def unpack(wp: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(wp).transpose(1, 0, 2).reshape(k, n_panels * p))
 
 
-def packed_dense(x: Float[Array, "M K"], wp: Float[Array, "P K panel"]) -> Float[Array, "M N"]:
-    """x @ w for w packed by `pack` (N = P * panel), in float32."""
+def packed_dense(x: Float[Array, "M K"], wp: Float[Array, "P K panel"],
+                 rows: Int[Array, ""] | int | None = None) -> Float[Array, "M N"]:
+    """x @ w for w packed by `pack` (N = P * panel), in float32. rows: only x's first `rows` rows (of the
+    flattened leading axes) are multiplied, the others' outputs are zeros (None: all of them)."""
     n_panels, k, p = wp.shape
     if p != panel() or x.shape[-1] != k:
         raise ValueError(f"packed_dense: x {x.shape} and packed weight {wp.shape} (panel {panel()}) do not match")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
+    m = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32)
     out = jax.ShapeDtypeStruct((x2.shape[0], n_panels * p), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, wp)
+    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, wp, m)
     return y.reshape(*lead, n_panels * p)

@@ -426,11 +426,12 @@ class Scheduler:
         if samples:
             req.num_output_placeholders += 1
 
-    def set_step_costs(self, seconds: dict[int, float] | None) -> None:
+    def set_step_costs(self, seconds: dict[int, float] | None, by_tokens: bool = False) -> None:
         """Each token bucket's measured step time (`ModelRunner.warm_steps`), or None: from now on a step carries
         fewer prompt tokens where filling a smaller bucket exactly finishes them sooner (`StepCosts`). Times
-        where that never happens (a GPU's: small steps cost about the same) are dropped."""
-        costs = StepCosts(seconds) if seconds else None
+        where that never happens (a GPU's: small steps cost about the same) are dropped. by_tokens: a step
+        costs its real tokens, not its bucket (`ModelRunner.pays_for_padding` False)."""
+        costs = StepCosts(seconds, by_tokens) if seconds else None
         self.step_costs = costs if costs is not None and costs.can_split() else None
 
     def _prefill_budget(self, budget: int) -> int:

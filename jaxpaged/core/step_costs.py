@@ -7,6 +7,11 @@ for the last 8 (29 ms) finish it sooner, and the decodes get two tokens instead 
 (`ModelRunner.warm_steps`, before serving), the scheduler picks, among "all it may take" and "exactly fill a
 smaller bucket", the split that finishes the waiting prompt tokens first. On a GPU, where small steps cost
 about the same, it keeps taking all it may.
+
+Where a step costs its real tokens rather than its bucket (float32 CPU weights packed for the dense call, which
+skips the padding rows: `ModelRunner.pays_for_padding`), a partly filled bucket's time is interpolated between
+the bucket below (at its size) and its own (`by_tokens`); a split then pays only where a step's fixed cost is
+small against the jump it avoids, which is rare.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ class StepCosts:
     that came out cheaper than a smaller one is noise). Measured on empty steps, which sample the fewest rows:
     a step where many rows draw costs a little more."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], by_tokens: bool = False):
         if not seconds:
             raise ValueError("StepCosts needs the time of at least one bucket")
+        self.by_tokens = by_tokens
         self.buckets = sorted(seconds)
         self.seconds: dict[int, float] = {}
         cheapest = float("inf")
@@ -38,8 +44,20 @@ class StepCosts:
         return any(self.seconds[lo] + smallest < self.seconds[hi] * (1 - MIN_GAIN) for lo, hi in zip(b, b[1:]))
 
     def of(self, num_tokens: int) -> float:
-        """Seconds of the step that carries `num_tokens` (its bucket's)."""
-        return self.seconds[pick_token_bucket(self.buckets, num_tokens)]
+        """Seconds of the step that carries `num_tokens`: its bucket's, or with `by_tokens` interpolated between
+        the bucket below (at its size) and its own."""
+        b = pick_token_bucket(self.buckets, num_tokens)
+        i = self.buckets.index(b)
+        if not self.by_tokens or i == 0:
+            return self.seconds[b]
+        lo = self.buckets[i - 1]
+        return self.seconds[lo] + (self.seconds[b] - self.seconds[lo]) * (num_tokens - lo) / (b - lo)
+
+    def fraction(self, bucket: int, num_tokens: int) -> float:
+        """The share of a full `bucket` step's time that a step of `num_tokens` in it takes (1 unless by_tokens)."""
+        if not self.by_tokens or bucket not in self.seconds or not 0 < num_tokens < bucket:
+            return 1.0
+        return self.of(num_tokens) / self.seconds[bucket]
 
     def finish(self, decodes: int, prompt_tokens: int, limit: int) -> float:
         """Seconds to compute `prompt_tokens` beside `decodes` decode tokens a step, at most `limit` a step."""

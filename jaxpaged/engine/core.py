@@ -105,9 +105,10 @@ class EngineCore:
         """Run every step bucket before serving (`ModelRunner.warm_steps`) and give the scheduler their times
         (it plans prompt chunks with them, `StepCosts`); seconds per bucket."""
         times = self.runner.warm_steps()
-        self.scheduler.set_step_costs(times)
+        by_tokens = not self.runner.pays_for_padding  # (times are full buckets'; a partly filled step costs less)
+        self.scheduler.set_step_costs(times, by_tokens)
         if self.clock is not None:
-            self.clock.seed(times)
+            self.clock.seed(times, by_tokens)
         return times
 
     def close(self) -> None:
@@ -145,7 +146,8 @@ class EngineCore:
         self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
         if handle is not None and self.clock is not None:
-            self.clock.dispatched(handle.bucket, scheduling_started, time.perf_counter())
+            self.clock.dispatched(handle.bucket, scheduling_started, time.perf_counter(),
+                                  handle.out.total_num_scheduled_tokens)
         stats.num_preemptions = len(out.preempted_ids)
         stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
         now = time.monotonic()

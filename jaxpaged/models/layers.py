@@ -21,13 +21,15 @@ def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float) -> F
     return weight * xf.astype(x.dtype)
 
 
-def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K panel"]) -> Float[Array, "T N"]:
-    """x @ w in x's dtype. A 3-D w is packed for the CPU dense call (`pallas_kernels.cpu_dense`). Narrower
+def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K panel"],
+          rows: Int[Array, ""] | None = None) -> Float[Array, "T N"]:
+    """x @ w in x's dtype. A 3-D w is packed for the CPU dense call (`pallas_kernels.cpu_dense`), which with
+    `rows` multiplies only x's first rows (the step's tokens before its padding) and zeros the rest. Narrower
     weights than activations (bf16 weights, float32 activations: the CPU form) take x rounded to w's dtype into
     a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot instructions (twice float32's rate;
     a bf16-output dot takes a slow path)."""
     if w.ndim == 3:
-        return packed_dense(x, w).astype(x.dtype)
+        return packed_dense(x, w, rows).astype(x.dtype)
     if x.dtype == w.dtype:
         return x @ w
     y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
@@ -36,12 +38,13 @@ def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K pan
 
 
 def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"], *,
-              shards: int = 1) -> Float[Array, "T E"]:
+              shards: int = 1, rows: Int[Array, ""] | None = None) -> Float[Array, "T E"]:
     """SiLU-gated MLP: down(silu(gate(x)) * up(x)), gate and up as one matmul. Its columns come in `shards`
-    groups (tensor parallelism: one per device), each [gate part | up part]; one group is [gate | up]."""
+    groups (tensor parallelism: one per device), each [gate part | up part]; one group is [gate | up].
+    rows: as `dense`'s."""
     t = x.shape[0]
-    gate, up = jnp.split(dense(x, w_gate_up).reshape(t, shards, -1), 2, axis=-1)  # [T, shards, F / shards] each
-    return dense((jax.nn.silu(gate) * up).reshape(t, -1), w_down)
+    gate, up = jnp.split(dense(x, w_gate_up, rows).reshape(t, shards, -1), 2, axis=-1)  # [T, shards, F / shards]
+    return dense((jax.nn.silu(gate) * up).reshape(t, -1), w_down, rows)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:

@@ -62,6 +62,9 @@ class AttentionMetadata:
     seq_context_lens: Int[Array, "S"]  # tokens of each sequence already in the pool before this step
     continuation_rows: Int[Array, "S"]  # rows with >1 new token and cached context, then -1
     block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
+    # tokens before the padding: the CPU dense call multiplies only those rows (`cpu_dense.packed_dense`), so a
+    # step costs its tokens rather than its bucket. None: all T.
+    num_real_tokens: Int[Array, ""] | None = None
     # static: the most new tokens any one sequence has in the step, when the caller knows it (functional
     # prefill); lets the attention read only nearby keys for the new tokens. None: up to T.
     max_query_len: int | None = field(default=None, metadata={"static": True})
@@ -100,12 +103,13 @@ def forward(
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     angles = rope_angles(meta.positions, inv_freq, cpu_kernel=attention_backend == "cpu" and mesh is None)
     x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
+    rows = meta.num_real_tokens
 
     def layer(carry, xs):
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = dense(y, w["wqkv"])  # [T, (H + 2 KH) D], in tp groups of [q | k | v] columns (`model_params`)
+        qkv = dense(y, w["wqkv"], rows)  # [T, (H + 2 KH) D], in tp groups of [q | k | v] columns (`model_params`)
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
@@ -119,11 +123,12 @@ def forward(
         a, pool = attend(q, k, v, pool, idx, meta)
         if kv_scale is not None:  # ... and v_scale into the output
             a = (a.reshape(t, kh, h // kh, d) * vs[:, None, None].astype(a.dtype)).reshape(t, h, d)
-        o = dense(a.reshape(t, h * d), w["wo"])
+        o = dense(a.reshape(t, h * d), w["wo"], rows)
         if cfg.o_bias:
             o = o + w["bo"]
         x = x + o
-        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"], shards=tp)
+        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"], shards=tp,
+                          rows=rows)
         return (x, pool), None
 
     if isinstance(params["layers"], (list, tuple)):  # one dict per layer: a Python loop, weights read in place
@@ -137,11 +142,13 @@ def forward(
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_pool
 
 
-def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None) -> Float[Array, "S V"]:
+def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
+                   rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
     """Vocabulary logits in float32 (the tied embedding when the model has no lm_head); with a mesh, gathered
-    from the vocabulary-parallel shards onto every device (the sampler reads whole rows)."""
+    from the vocabulary-parallel shards onto every device (the sampler reads whole rows). rows: only the first
+    rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all)."""
     if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
-        logits = cpu_dense.packed_dense(hidden, params["lm_head"])
+        logits = cpu_dense.packed_dense(hidden, params["lm_head"], rows)
     elif "lm_head" in params:
         logits = jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
                                      (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -273,6 +280,13 @@ class LlamaForCausalLM(nnx.Module):
         self.kv_scale = _data(nnx.Variable(jnp.asarray(scales) if self.mesh is None else
                                            place(scales, replicated(self.mesh))))
 
+    @property
+    def pays_for_padding(self) -> bool:
+        """Whether a step costs its whole token bucket: False where the layers' weights are packed for the CPU
+        dense call, which multiplies only the step's real tokens (`AttentionMetadata.num_real_tokens`)."""
+        first = self.layers[0] if isinstance(self.layers, nnx.List) else self.layers
+        return first.arrays()["wqkv"].ndim != 3
+
     def params(self) -> dict:
         """The parameter tree `forward` takes."""
         layers = self.layers.arrays() if isinstance(self.layers, LlamaLayers) else [x.arrays() for x in self.layers]
@@ -290,6 +304,6 @@ class LlamaForCausalLM(nnx.Module):
         return forward(self.cfg, self.params(), token_ids, kv_pool, meta, attention_backend=self.attention_backend,
                        kv_chunk=self.kv_chunk, mesh=self.mesh)
 
-    def compute_logits(self, hidden: Float[Array, "S E"]) -> Float[Array, "S V"]:
-        """Vocabulary logits in float32 (on every device, under a mesh)."""
-        return compute_logits(self.params(), hidden, self.mesh)
+    def compute_logits(self, hidden: Float[Array, "S E"], rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
+        """Vocabulary logits in float32 (on every device, under a mesh); rows: only the first rows' are needed."""
+        return compute_logits(self.params(), hidden, self.mesh, rows)

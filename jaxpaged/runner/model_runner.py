@@ -262,6 +262,9 @@ class ModelRunner:
         self.offload = offload  # the host/disk tiers behind the prefix cache (their stores and loads run here)
         self.mesh = self.channel = self._kv_pool = self._pending_pool = None
         self.closed = False  # (`close`: the device state freed)
+        # whether a step costs its whole bucket, or only its real tokens (packed CPU weights: `warm_steps`' times
+        # are then full buckets', and a partly filled step costs less)
+        self.pays_for_padding = stub or getattr(model, "pays_for_padding", True)
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
@@ -360,10 +363,12 @@ class ModelRunner:
         return seq_bucket(num_tokens, self.config.scheduler_config.max_num_seqs)
 
     def _template(self, t: int):
+        """An empty step of t tokens whose dense layers still run on all t rows (`num_real_tokens`), so that
+        timing it (`warm_steps`, `time_buckets`) gives the cost of a full bucket."""
         empty = np.zeros(0, np.int32)
         inp, _ = build_step_input(self.batch, empty, empty, empty, np.zeros(0, bool), t, self._num_seqs(t),
                                   self.geometry, np.zeros(self.num_rows, bool), spec_width=self.spec_width)
-        return inp
+        return dataclasses.replace(inp, attn=dataclasses.replace(inp.attn, num_real_tokens=np.asarray(t, np.int32)))
 
     def _jitted(self, t: int):
         return jax.jit(partial(_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,

@@ -147,7 +147,7 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
             decode_context_lens=padded(np.where(decode, tok_pos, 0), num_tokens, 0, np.int32),
             seq_context_lens=padded(start_o, num_seqs, 0, np.int32),
             continuation_rows=padded(continuation, num_seqs, -1, np.int32),
-            block_tables=block_tables),
+            block_tables=block_tables, num_real_tokens=np.asarray(t_real, np.int32)),
         logits_indices=padded(ends - 1, num_seqs, 0, np.int32),
         next_prompt_ids=padded(next_prompt, num_tokens, -1, np.int32),
         draw_rows=padded(np.where(samples_o, rows_o, R), num_seqs, R, np.int32),

@@ -9,10 +9,14 @@
 // so each weight is read from memory once while the activations (smaller, for up to a few hundred rows) stay
 // in cache; row runs outermost re-read every weight once per run (7-11% slower at 128-512 rows).
 //
-// Shapes: x f32[M, K]; wp f32[N / kPanel, K, kPanel]. Output f32[M, N].
+// Only the first `rows` rows of x are multiplied (a step's tokens before its padding to the token bucket); the
+// rest of y is zeros, so a step's dense layers cost its tokens, not its bucket.
+//
+// Shapes: x f32[M, K]; wp f32[N / kPanel, K, kPanel]; rows s32[] (clamped to [0, M]). Output f32[M, N].
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -100,16 +104,18 @@ void run_item(const float* x, const float* wp, float* y, int64_t k, int64_t n, i
 }
 
 ffi::Error PackedDense(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                       ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel || wd[1] != xd[1] ||
-      yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
-    return ffi::Error::InvalidArgument("packed_dense: x [M, K], wp [N / panel, K, panel], y [M, N]");
+      yd[0] != xd[0] || yd[1] != wd[0] * kPanel || rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument("packed_dense: x [M, K], wp [N / panel, K, panel], rows [], y [M, N]");
   }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = yd[1];
+  const int64_t k = xd[1], panels = wd[0], n = yd[1];
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   const float* xs = x.typed_data();
   const float* ws = wp.typed_data();
   float* ys = y->typed_data();
+  if (m < xd[0]) std::memset(ys + m * n, 0, (xd[0] - m) * n * sizeof(float));
   if (m == 0) return ffi::Error::Success();
   const int64_t row_items = (m + kItemRows - 1) / kItemRows;
   parallel_for(thread_pool, panels * row_items, [=](int64_t i) {
@@ -128,4 +134,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedDense, PackedDense,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // wp
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -74,3 +74,19 @@ def test_without_chunked_prefill_costs_are_not_used():
     s.set_step_costs(CPU)
     s.add_request(req("r1", 37, max_tokens=50))
     assert [x.num_new_tokens for x in step(s).scheduled] == [37]
+
+
+def test_by_tokens_a_partly_filled_bucket_costs_its_share():
+    """Where a step costs its real tokens (packed CPU weights), a step between two buckets costs in proportion,
+    and the split that filled the 32 bucket exactly no longer pays: the prompt comes whole."""
+    costs = StepCosts(CPU, by_tokens=True)
+    assert costs.of(16) == costs.of(10) == 0.030  # the smallest bucket: its time
+    assert costs.of(40) == pytest.approx(0.050 + 0.050 * 8 / 32)
+    assert costs.of(64) == 0.100
+    assert costs.fraction(64, 40) == pytest.approx(0.0625 / 0.100)
+    assert costs.fraction(64, 64) == costs.fraction(64, 0) == StepCosts(CPU).fraction(64, 40) == 1.0
+    assert costs.prompt_tokens(3, 37, 61) == 61  # 40 tokens: 62.5 ms against 32 + 16 = 80 ms
+    assert costs.prompt_tokens(0, 40, 64) == 64
+    s = make(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
+    s.set_step_costs(CPU, by_tokens=True)
+    assert s.step_costs.by_tokens

@@ -94,3 +94,19 @@ def test_a_bucket_seen_once_forgets_its_seeded_time():
     clock.fetched(0.031, waited=True)  # 30 ms served
     clock.dispatched(64, 0.100, 0.101)
     assert clock.deadline() == pytest.approx(0.101 + 0.030 - 0.001 - MARGIN_S)
+
+
+def test_by_tokens_a_step_is_predicted_at_its_share_of_the_bucket():
+    """Where a step costs its real tokens, a 40-token step of the 64 bucket is predicted at its interpolated
+    share of the bucket's time, and its measured time counts for the full bucket divided by that share."""
+    clock = StepClock()
+    clock.seed({32: 0.020, 64: 0.040}, by_tokens=True)
+    clock.dispatched(64, 0.0, 0.001, num_tokens=48)  # half way from 32 to 64: 30 of 40 ms
+    assert clock.deadline() == pytest.approx(0.001 + 0.030 - 0.001 - MARGIN_S)
+    clock.fetched(0.025, waited=True)  # took 24 ms: 80% of its prediction, recorded as a 32 ms full bucket
+    clock.dispatched(64, 0.100, 0.101)  # count unknown: the full bucket's
+    assert clock.deadline() == pytest.approx(0.101 + 0.032 - 0.001 - MARGIN_S)
+    plain = StepClock()
+    plain.seed({32: 0.020, 64: 0.040})
+    plain.dispatched(64, 0.0, 0.001, num_tokens=48)  # a step that pays for its bucket
+    assert plain.deadline() == pytest.approx(0.001 + 0.040 - 0.001 - MARGIN_S)

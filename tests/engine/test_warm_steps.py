@@ -32,8 +32,8 @@ def test_async_engine_runs_every_bucket_before_serving(tiny_model_dir, monkeypat
     monkeypatch.setattr(ModelRunner, "run_step", recording)
     timed: list[tuple[int, list[int]]] = []
     set_costs = Scheduler.set_step_costs
-    monkeypatch.setattr(Scheduler, "set_step_costs",
-                        lambda self, seconds: timed.append((id(self), sorted(seconds))) or set_costs(self, seconds))
+    monkeypatch.setattr(Scheduler, "set_step_costs", lambda self, seconds, by_tokens=False: timed.append(
+        (id(self), sorted(seconds))) or set_costs(self, seconds, by_tokens))
     llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), data_parallel_size=dp, **ARGS))
     try:
         runners = [core.runner for core in llm.engine.core.replicas]
@@ -87,3 +87,18 @@ def test_prompt_chunks_planned_with_step_costs_change_no_output(tiny_model_dir, 
     # the 125 prompt tokens (5, 17, 40, 63): the first step fills 32 tokens exactly (5 + 17 + 10 of the 40), not
     # all 64 of the budget; the 40-token prompt's last 30 come beside two decodes in the next
     assert steps[:2] == [[5, 10, 17], [1, 1, 30]]
+
+
+def test_steps_that_cost_their_tokens_are_timed_full_and_planned_by_tokens(tiny_model_dir):
+    """Packed float32 CPU weights skip a step's padding rows: the warm steps still time whole buckets (their
+    template counts every token as real), and the scheduler and the clock get the times as by-token costs."""
+    llm = LLM(tiny_model_dir("llama"), late_scheduling=True, **ARGS)
+    core = llm.engine.core
+    assert core.runner.pays_for_padding is False
+    assert [int(core.runner._template(t).attn.num_real_tokens) for t in core.runner.buckets] == core.runner.buckets
+    seeded = {}
+    core.scheduler.set_step_costs = lambda times, by_tokens=False: seeded.update(costs=(times, by_tokens))
+    times = core.warm_steps()
+    assert seeded["costs"] == (times, True)
+    plain = LLM(tiny_model_dir("llama"), attention_backend="reference", **ARGS)
+    assert plain.engine.core.runner.pays_for_padding is True

@@ -22,10 +22,11 @@ def kernel_built():
     assert cpu_dense.panel() in (16, 32), "the CPU dense kernel did not build (see the log)"
 
 
-def dense_via(target: str, panel: int, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def dense_via(target: str, panel: int, x: np.ndarray, w: np.ndarray, rows: int | None = None) -> np.ndarray:
     wp = cpu_dense.pack(w, panel)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return np.asarray(jax.jit(lambda a, b: jax.ffi.ffi_call(target, out)(a, b))(x, wp))
+    m = np.int32(x.shape[0] if rows is None else rows)
+    return np.asarray(jax.jit(lambda a, b, r: jax.ffi.ffi_call(target, out)(a, b, r))(x, wp, m))
 
 
 SHAPES = [(1, 64, 64), (5, 576, 96), (12, 300, 128), (13, 64, 32), (97, 520, 64), (200, 130, 160), (24, 1536, 64),
@@ -33,13 +34,25 @@ SHAPES = [(1, 64, 64), (5, 576, 96), (12, 300, 128), (13, 64, 32), (97, 520, 64)
 
 
 def check(target: str, panel: int) -> None:
+    """Every shape at all its rows, then at fewer rows than x has (a padded step): those rows' products, bit
+    for bit the same as with all rows, and zeros after them (also where x's padding holds NaNs)."""
     rng = np.random.default_rng(0)
     for m, k, n in SHAPES:
         n = -(-n // panel) * panel
         x = rng.standard_normal((m, k), np.float32)
         w = rng.standard_normal((k, n), np.float32) / np.sqrt(k)
-        np.testing.assert_allclose(dense_via(target, panel, x, w), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4,
-                                   err_msg=f"M {m}, K {k}, N {n}")
+        full = dense_via(target, panel, x, w)
+        np.testing.assert_allclose(full, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4, err_msg=f"M {m}, K {k}, N {n}")
+        for rows in sorted({0, 1, m // 2, m - 1}):
+            padded = x.copy()
+            padded[rows:] = np.nan
+            got = dense_via(target, panel, padded, w, rows)
+            np.testing.assert_array_equal(got[:rows], full[:rows], err_msg=f"M {m} at {rows} rows")
+            np.testing.assert_array_equal(got[rows:], 0.0, err_msg=f"M {m} at {rows} rows: the padding's outputs")
+    x = rng.standard_normal((9, 64), np.float32)  # counts out of range are clamped to [0, M]
+    w = rng.standard_normal((64, panel), np.float32)
+    np.testing.assert_array_equal(dense_via(target, panel, x, w, 100), dense_via(target, panel, x, w))
+    np.testing.assert_array_equal(dense_via(target, panel, x, w, -3), 0.0)
 
 
 @pytest.mark.usefixtures("kernel_built")
@@ -50,6 +63,12 @@ def test_packed_dense_equals_the_matmul():
     x = jnp.ones((2, 3, 48), jnp.float32)  # leading axes are flattened and restored
     np.testing.assert_allclose(np.asarray(cpu_dense.packed_dense(x, jnp.asarray(cpu_dense.pack(w)))),
                                np.asarray(x) @ w, rtol=1e-5, atol=1e-4)
+    wp = jnp.asarray(cpu_dense.pack(w))
+    full = np.asarray(cpu_dense.packed_dense(x, wp))
+    got = np.asarray(jax.jit(cpu_dense.packed_dense)(x, wp, jnp.int32(4)))  # rows of the flattened [6, 48]
+    np.testing.assert_array_equal(got[0], full[0])
+    np.testing.assert_array_equal(got[1, 0], full[1, 0])
+    np.testing.assert_array_equal(got[1, 1:], 0.0)
     with pytest.raises(ValueError, match="do not match"):
         cpu_dense.packed_dense(jnp.ones((2, 47)), jnp.asarray(cpu_dense.pack(w)))
 
@@ -112,3 +131,11 @@ def test_the_model_packs_its_float32_weights_and_computes_the_same_step():
     got, want = jax.jit(logits)(packed), jax.jit(logits)(plain)
     n = x["real"]
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=1e-4, atol=1e-4)
+    # with the step's real token count, its tokens' logits are the same bit for bit, and the padding skips every
+    # dense layer: each layer adds zeros to its rows, which end as the final norm of their embeddings
+    counted = dataclasses.replace(meta, num_real_tokens=jnp.int32(n))
+    hidden = jax.jit(lambda p: llama.forward(cfg, p, ids, x["pool"], counted, attention_backend="cpu")[0])(packed)
+    np.testing.assert_array_equal(np.asarray(llama.compute_logits(packed, hidden))[:n], np.asarray(got)[:n])
+    embedded = llama.rms_norm(packed["embed"][ids[n:]], packed["final_norm"], cfg.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(hidden)[n:], np.asarray(embedded), rtol=1e-6)
+    assert np.abs(np.asarray(got)[n:] - np.asarray(llama.compute_logits(packed, embedded))).max() > 1e-3
