@@ -284,8 +284,8 @@ class LlamaForCausalLM(nnx.Module):
     def pays_for_padding(self) -> bool:
         """Whether a step costs its whole token bucket: False where the layers' weights are packed for the CPU
         dense call, which multiplies only the step's real tokens (`AttentionMetadata.num_real_tokens`)."""
-        first = self.layers[0] if isinstance(self.layers, nnx.List) else self.layers
-        return first.arrays()["wqkv"].ndim != 3
+        # (stacked layers' [L, K, N] weights are 3-D too, and never packed)
+        return not (isinstance(self.layers, nnx.List) and self.layers[0].arrays()["wqkv"].ndim == 3)
 
     def params(self) -> dict:
         """The parameter tree `forward` takes."""

@@ -363,12 +363,15 @@ class ModelRunner:
         return seq_bucket(num_tokens, self.config.scheduler_config.max_num_seqs)
 
     def _template(self, t: int):
-        """An empty step of t tokens whose dense layers still run on all t rows (`num_real_tokens`), so that
-        timing it (`warm_steps`, `time_buckets`) gives the cost of a full bucket."""
+        """An empty step of t tokens whose dense layers and LM head still run on all their rows
+        (`num_real_tokens`, `head_rows`), so that timing it (`warm_steps`, `time_buckets`) gives the cost of a
+        full bucket (drawing nothing, it takes `sample_rows`' narrow branch)."""
         empty = np.zeros(0, np.int32)
-        inp, _ = build_step_input(self.batch, empty, empty, empty, np.zeros(0, bool), t, self._num_seqs(t),
-                                  self.geometry, np.zeros(self.num_rows, bool), spec_width=self.spec_width)
-        return dataclasses.replace(inp, attn=dataclasses.replace(inp.attn, num_real_tokens=np.asarray(t, np.int32)))
+        s = self._num_seqs(t)
+        inp, _ = build_step_input(self.batch, empty, empty, empty, np.zeros(0, bool), t, s, self.geometry,
+                                  np.zeros(self.num_rows, bool), spec_width=self.spec_width)
+        return dataclasses.replace(inp, attn=dataclasses.replace(inp.attn, num_real_tokens=np.asarray(t, np.int32)),
+                                   head_rows=np.asarray(s, np.int32))
 
     def _jitted(self, t: int):
         return jax.jit(partial(_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,

@@ -7,7 +7,7 @@ step on 2 cores).
 Rows are in scheduler order, so when every row past the first S/4 draws nothing (padding, or a prompt chunk
 that does not reach its end), those are the only rows computed, in one branch of a `lax.cond`: the compiled
 step count stays the same, the sampler is compiled twice (for steps of 64 rows or more). Within a branch, a
-packed LM head (CPU) multiplies only the rows up to the last that draws.
+packed LM head (CPU) multiplies only the rows up to the last that draws (`StepInput.head_rows`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ def sample_rows(model, hidden, inp, row_state: RowState, bitmask, *, logprobs_mo
     def draw(rows: int):
         def run(_):
             meta = inp.sampling if rows == s else inp.sampling.head(rows)
-            draws = inp.draw_rows[:rows] < num_slots
-            needed = jnp.max(jnp.where(draws, jnp.arange(1, rows + 1), 0))  # up to the last row that draws
-            logits = model.compute_logits(hidden[inp.logits_indices[:rows]], needed)  # [rows, V]
+            logits = model.compute_logits(hidden[inp.logits_indices[:rows]], inp.head_rows)  # [rows, V]
             out = sample(apply_token_bitmask(logits, bitmask[:rows]), row_state, meta, logprobs_mode=logprobs_mode,
                          backend=backend)
             if rows == s:
@@ -49,7 +47,7 @@ def sample_rows(model, hidden, inp, row_state: RowState, bitmask, *, logprobs_mo
             return jax.tree.map(lambda x: jnp.zeros((s, *x.shape[1:]), x.dtype).at[:rows].set(x), out)
         return run
 
-    num_slots = row_state.bias.shape[0]  # draw_rows holds this where a row draws nothing
     if k == s:
         return draw(s)(None)
+    num_slots = row_state.bias.shape[0]  # draw_rows holds this where a row draws nothing
     return jax.lax.cond(jnp.all(inp.draw_rows[k:] >= num_slots), draw(k), draw(s), None)

@@ -31,6 +31,7 @@ class StepInput:
     logits_indices: Int[Array, "S"]  # flat index of each sequence's last scheduled token
     next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
     draw_rows: Int[Array, "S"]  # the batch row whose drawn token the device keeps; R where the step draws none
+    head_rows: Int[Array, ""]  # sequence rows up to the last that draws: the rows whose logits the LM head computes
     sampling: SamplingMetadata
     # speculative decoding, D = min(T, S * K) draft entries (K = num_speculative_tokens; D = 0 without): draft j of
     # sequence s, the flat index of the token before it (whose logits verify it); token -1 = padding
@@ -151,6 +152,7 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
         logits_indices=padded(ends - 1, num_seqs, 0, np.int32),
         next_prompt_ids=padded(next_prompt, num_tokens, -1, np.int32),
         draw_rows=padded(np.where(samples_o, rows_o, R), num_seqs, R, np.int32),
+        head_rows=np.asarray(np.flatnonzero(samples_o)[-1] + 1 if samples_o.any() else 0, np.int32),
         sampling=SamplingMetadata(
             temperature=per_seq(batch.temperature, 0.0, np.float32), top_k=per_seq(batch.top_k, 0, np.int32),
             top_p=per_seq(batch.top_p, 1.0, np.float32), seeds=per_seq(batch.seed, 0, np.uint32),

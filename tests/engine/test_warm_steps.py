@@ -91,11 +91,14 @@ def test_prompt_chunks_planned_with_step_costs_change_no_output(tiny_model_dir, 
 
 def test_steps_that_cost_their_tokens_are_timed_full_and_planned_by_tokens(tiny_model_dir):
     """Packed float32 CPU weights skip a step's padding rows: the warm steps still time whole buckets (their
-    template counts every token as real), and the scheduler and the clock get the times as by-token costs."""
+    template counts every token and sequence row as real), and the scheduler and the clock get the times as
+    by-token costs."""
     llm = LLM(tiny_model_dir("llama"), late_scheduling=True, **ARGS)
     core = llm.engine.core
     assert core.runner.pays_for_padding is False
-    assert [int(core.runner._template(t).attn.num_real_tokens) for t in core.runner.buckets] == core.runner.buckets
+    templates = [core.runner._template(t) for t in core.runner.buckets]
+    assert [int(x.attn.num_real_tokens) for x in templates] == core.runner.buckets
+    assert [int(x.head_rows) for x in templates] == [x.logits_indices.shape[0] for x in templates]
     seeded = {}
     core.scheduler.set_step_costs = lambda times, by_tokens=False: seeded.update(costs=(times, by_tokens))
     times = core.warm_steps()

@@ -118,6 +118,9 @@ def test_the_model_packs_its_float32_weights_and_computes_the_same_step():
     for backend, ndim in (("cpu", 3), ("reference", 2)):  # by default, packed with the other CPU kernels
         assert llama.LlamaForCausalLM(cfg, weights, attention_backend=backend).params()["layers"][0]["wqkv"].ndim \
             == ndim
+    # only packed layers skip a step's padding rows (stacked [L, K, N] weights are 3-D too, and pay for it)
+    assert [llama.LlamaForCausalLM(cfg, weights, attention_backend=backend, per_layer=per_layer).pays_for_padding
+            for backend, per_layer in (("cpu", True), ("cpu", False), ("reference", True))] == [False, True, True]
     x = make_step(rng, [(5, 1), (20, 3), (0, 4)], group=2, kh=2, d=16, layers=2)
     meta = llama.AttentionMetadata(positions=x["positions"], slot_mapping=x["slots"], token_seq=x["token_seq"],
                                    decode_context_lens=x["decode_ctx"], seq_context_lens=x["seq_ctx"],

@@ -54,6 +54,7 @@ def test_step_layout_positions_slots_and_draws():
     assert inp.attn.slot_mapping[7:].tolist() == [GEO.pad_slot] * 9
     assert inp.attn.token_seq[:8].tolist() == [0, 1, 1, 1, 2, 2, 2, -1]
     assert int(inp.attn.num_real_tokens) == 7  # the dense layers' rows (the rest is padding to 16)
+    assert int(inp.head_rows) == 3  # the LM head's rows: up to c, the last that draws (b's chunk draws nothing)
     assert inp.attn.decode_context_lens[:2].tolist() == [8, 0] and inp.attn.seq_context_lens.tolist() == [8, 2, 0, 0]
     assert inp.attn.continuation_rows.tolist() == [1, -1, -1, -1]
     assert inp.logits_indices.tolist() == [0, 3, 6, 0]
