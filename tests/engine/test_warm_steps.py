@@ -103,5 +103,6 @@ def test_steps_that_cost_their_tokens_are_timed_full_and_planned_by_tokens(tiny_
     core.scheduler.set_step_costs = lambda times, by_tokens=False: seeded.update(costs=(times, by_tokens))
     times = core.warm_steps()
     assert seeded["costs"] == (times, True)
+    assert core.clock is not None and core.clock._costs is not None and core.clock._costs.by_tokens
     plain = LLM(tiny_model_dir("llama"), attention_backend="reference", **ARGS)
     assert plain.engine.core.runner.pays_for_padding is True
