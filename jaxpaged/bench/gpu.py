@@ -3,19 +3,22 @@
     PYTHONPATH=. python -m jaxpaged.bench.gpu --output-dir "$OUT"          # on a machine with an NVIDIA GPU
     PYTHONPATH=. python -m jaxpaged.bench.gpu --smoke --output-dir /tmp/x  # the same stages, tiny, on CPU
 
-Stages (each a subprocess with its own time limit, so one that hangs or fails costs only itself):
+Stages (each a subprocess with its own time limit, so one that hangs or fails costs only itself), kernels first:
   1. a weightless 1.07B Llama-shaped model (Llama-3.2-1B layers, SmolLM2's 49,152-token vocabulary);
-  2. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
-     bf16, max_num_seqs 256 (async scheduling, the default);
-  3. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
-  4. `jaxpaged bench functional`: `functional.generate` against `LLM.generate`, 64 prompts of 128 ids, 128
-     greedy tokens each (one process, both on the dummy model);
-  5. `jaxpaged bench kernels`: the device's copy bandwidth and matmul rate, then each kernel against its
+  2. `jaxpaged bench kernels`: the device's copy bandwidth and matmul rate, then each kernel against its
      reference and those ceilings (decode at 64-512 sequences of 1k-8k tokens, mixed, long prefill, sampling);
      it saves each case as it goes, so a stage cut short keeps its rows;
-  6. with --with-sync: jaxpaged again without async scheduling;
-  7. with --with-tune: `jaxpaged bench kernels --only attention --tune`, the attention kernel's kv_blocks /
-     num_splits variants timed on each decode case (about 3 minutes on its own).
+  3. with --with-tune: `jaxpaged bench kernels --only attention --tune`, each decode case also timed with the
+     Triton kernel's kv_blocks / num_splits variants; then, in a stage of its own (a kernel that hangs costs
+     50 s), the Mosaic GPU decode kernel against the Triton default on sm90;
+  4. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
+     bf16, max_num_seqs 256 (async scheduling, the default);
+  5. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
+  6. with --with-tune, where the tuning found a Triton variant faster than the default at the model's
+     head_dim (64): stage 4 again with that variant ($JAXPAGED_PALLAS_ATTENTION);
+  7. with --with-functional: `jaxpaged bench functional`, `functional.generate` against `LLM.generate`, 64
+     prompts of 128 ids, 128 greedy tokens each (one process, both on the dummy model);
+  8. with --with-sync: jaxpaged again without async scheduling.
 Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
 and `gpu_bench.json` under --output-dir.
 """
@@ -29,10 +32,11 @@ import subprocess
 import sys
 import time
 
-STAGES = {  # name -> (time limit in seconds, smoke time limit); the most telling first, 6 minutes in all
-    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (70, 300), "functional": (50, 300), "kernels": (110, 300),
-    "jaxpaged_sync_seqs256": (60, 300),  # with --with-sync only
-    "kernels_tune": (200, 300),  # with --with-tune only
+STAGES = {  # name -> (time limit in seconds, smoke time limit), in the order they run: 9.7 minutes with --with-tune
+    "kernels": (100, 300), "kernels_tune": (150, 300), "kernels_mosaic": (50, 300),  # (tune, mosaic: --with-tune)
+    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (60, 300),
+    "jaxpaged_tuned_seqs256": (90, 300),  # with --with-tune, when a variant beat the default
+    "functional": (50, 300), "jaxpaged_sync_seqs256": (60, 300),  # with --with-functional / --with-sync only
 }
 
 
@@ -42,12 +46,29 @@ def _throughput_cmd(model: str, out: str, ns, *, extra: list[str]) -> list[str]:
             "--temperature", "0", "--seed", "0", "--output-json", out, *extra]
 
 
+def _tuned_variant(path: str, head_dim: int) -> str | None:
+    """$JAXPAGED_PALLAS_ATTENTION for the Triton variant the tune stage found fastest at head_dim, None where
+    it found none faster than the default (or saved nothing)."""
+    from jaxpaged.bench.kernels import TUNE_CONFIGS, best_triton_variant
+
+    if not os.path.exists(path):
+        return None
+    best = best_triton_variant(json.load(open(path))["rows"], head_dim)
+    if best is None or best == f"kv{TUNE_CONFIGS[0][0]}_split{TUNE_CONFIGS[0][1]}":
+        return None
+    kv_blocks, num_splits = best.removeprefix("kv").split("_split")
+    return f"kv_blocks={kv_blocks},num_splits={num_splits}"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="bench_results/gpu")
     p.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script on CPU)")
     p.add_argument("--with-sync", action="store_true", help="also run jaxpaged without async scheduling (+60 s)")
-    p.add_argument("--with-tune", action="store_true", help="also time the attention kernel's variants (+200 s)")
+    p.add_argument("--with-tune", action="store_true",
+                   help="also time the attention kernel's variants and the Mosaic GPU kernel (+200 s), and the "
+                        "engine with the best variant (+90 s)")
+    p.add_argument("--with-functional", action="store_true", help="also time functional.generate (+50 s)")
     ns = p.parse_args(argv)
     ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
     os.makedirs(ns.output_dir, exist_ok=True)
@@ -57,20 +78,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               max_position_embeddings=1024)
     dtype = "float32" if ns.smoke else "bfloat16"
     stages = {  # (the sync run reuses the first run's compiled steps from the persistent compilation cache)
+        "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
+        "kernels_tune": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
+                         "--tune-variants", "kv", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
+        "kernels_mosaic": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
+                           "--tune-variants", "kv1_split1,mosaic", "--no-ceilings",
+                           *(["--quick"] if ns.smoke else [])],
         "jaxpaged_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype]),
         "hf_static_bs256": _throughput_cmd(model, "", ns, extra=["--backend", "hf", "--hf-batch-size", "256",
                                                                  "--dtype", dtype]),
+        "jaxpaged_tuned_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype]),
         "functional": [sys.executable, "-m", "jaxpaged", "bench", "functional", "--model", model, "--load-format",
                        "dummy", "--dtype", dtype, *(["--num-prompts", "4", "--input-len", "8", "--output-len", "8"]
                                                     if ns.smoke else ["--num-prompts", "64"])],
-        "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
+        "jaxpaged_sync_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype,
+                                                                       "--no-async-scheduling"]),
     }
-    if ns.with_sync:
-        stages["jaxpaged_sync_seqs256"] = _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype",
-                                                                                dtype, "--no-async-scheduling"])
-    if ns.with_tune:
-        stages["kernels_tune"] = [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention",
-                                  "--tune", *(["--quick"] if ns.smoke else [])]
+    for name, wanted in (("kernels_tune", ns.with_tune), ("kernels_mosaic", ns.with_tune),
+                         ("jaxpaged_tuned_seqs256", ns.with_tune),
+                         ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync)):
+        if not wanted:
+            del stages[name]
     rows = []
     for name, cmd in stages.items():
         out = os.path.join(ns.output_dir, f"{name}.json")
@@ -81,16 +109,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if os.path.exists(out):  # (the summary below reads it: nothing from an earlier run)
             os.remove(out)
         limit = STAGES[name][1 if ns.smoke else 0]
+        env = None
+        if name == "jaxpaged_tuned_seqs256":  # the variant the tuning found fastest at the model's head_dim
+            variant = _tuned_variant(os.path.join(ns.output_dir, "kernels_tune.json"), head_dim=64)
+            if variant is None:
+                rows.append({"stage": name, "status": "skipped (no variant beat the default)", "stage_s": 0.0})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            env = {**os.environ, "JAXPAGED_PALLAS_ATTENTION": variant}
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
             status = "ok" if proc.returncode == 0 else f"failed ({proc.returncode})"
             log = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
             status, log = f"timed out after {limit} s", (e.stdout or b"").decode() + (e.stderr or b"").decode()
         with open(os.path.join(ns.output_dir, f"{name}.log"), "w") as f:
             f.write(log)
-        row = {"stage": name, "status": status, "stage_s": round(time.perf_counter() - t0, 1)}
+        row = {"stage": name, "status": status, "stage_s": round(time.perf_counter() - t0, 1),
+               **({"variant": env["JAXPAGED_PALLAS_ATTENTION"]} if env else {})}
         if status == "ok" and name == "functional":
             engine, functional = json.load(open(out))
             row.update(output_tok_s=round(functional["output_tokens_per_s"], 1), wall_s=round(functional["wall_s"], 2),
@@ -106,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"| {r['stage']} | {r['status']} | {r.get('output_tok_s', '-')} | {r.get('wall_s', '-')} | "
               f"{r.get('warmup_s', '-')} | {r['stage_s']} |")
-    for name in ("kernels", "kernels_tune"):
+    for name in ("kernels", "kernels_tune", "kernels_mosaic"):
         path = os.path.join(ns.output_dir, f"{name}.json")
         if name in stages and os.path.exists(path):  # (also from a stage cut short: it saves each case as it goes)
             from jaxpaged.bench.kernels import print_table

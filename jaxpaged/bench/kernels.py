@@ -83,68 +83,113 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
 
 # (kv_blocks, num_splits) of the Pallas kernel timed by --tune on decode cases; the first is the default
 TUNE_CONFIGS = ((1, 1), (4, 1), (8, 1), (1, 4), (4, 4), (8, 8))
+MOSAIC_STAGES = (2, 4)  # the Mosaic GPU decode kernel's steps in flight, timed by --tune on sm90
 
 
-def tune_decode(args, sm: float, interpret: bool, iters: int, reference) -> tuple[dict[str, float], dict[str, float]]:
-    """Kernel ms and max abs error against `reference` (the plain-JAX output) of each `TUNE_CONFIGS` variant on
-    one case. A variant further from the reference than twice the first's error (and 2e-3) fails the run: in bf16
-    both differ from it by rounding alone, while a lost block moves outputs by ~1e-3 at 8k keys."""
+def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = None) -> dict:
+    """name -> jitted attention(q, pool, layer, tables, token_seq, positions) of each variant --tune times: the
+    Triton kernel's `TUNE_CONFIGS`, and on an sm90 GPU the Mosaic GPU decode kernel (one token per sequence:
+    its length is the token's position + 1). only: the names starting with one of these."""
+    variants = {f"kv{kb}_split{ns}": jax.jit(lambda *a, kb=kb, ns=ns: ragged_paged_attention(
+        *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret)) for kb, ns in TUNE_CONFIGS}
+    if not interpret and getattr(jax.devices()[0], "compute_capability", "") == "9.0":
+        from pallas_kernels.paged_attention_mgpu import decode_paged_attention_mgpu
+        for st in MOSAIC_STAGES:
+            variants[f"mosaic_st{st}"] = jax.jit(lambda q, pool, layer, tables, seq, pos, st=st: (
+                decode_paged_attention_mgpu(q, pool, layer, tables, pos + 1, sm_scale=sm, stages=st)))
+    return {k: v for k, v in variants.items() if only is None or k.startswith(only)}
+
+
+def tune_decode(args, sm: float, interpret: bool, iters: int, reference, only: tuple[str, ...] | None = None
+                ) -> tuple[dict[str, float], dict]:
+    """Kernel ms and max abs error against `reference` (the plain-JAX output) of each `tune_variants` variant
+    on one decode case. A variant that fails to compile is reported (its error as a string) and skipped; one
+    further from the reference than twice the best error so far (and 2e-3) is timed but named wrong (in
+    bf16 correct kernels differ from it by rounding alone, while a lost block moves outputs by ~1e-3 at 8k
+    keys), and is never the best."""
     times, errors = {}, {}
-    for kv_blocks, splits in TUNE_CONFIGS:
-        f = jax.jit(lambda *a, kb=kv_blocks, ns=splits: ragged_paged_attention(
-            *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret))
-        name = f"kv{kv_blocks}_split{splits}"
-        errors[name] = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - reference)))
-        allowed = max(2 * next(iter(errors.values())), 2e-3)
+    for name, f in tune_variants(sm, interpret, only).items():
+        try:  # (a variant the compiler rejects, e.g. past shared memory, is reported, not fatal)
+            errors[name] = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - reference)))
+            times[name] = median_ms(f, *args, iters=iters)
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"failed: {type(e).__name__}: {str(e)[:3000]}"
+            print(f"  {name}: {errors[name]}", flush=True)
+            continue
+        allowed = max(2 * min(v for v in errors.values() if isinstance(v, float)), 2e-3)
         if not errors[name] <= allowed:
-            raise AssertionError(f"kv_blocks={kv_blocks} num_splits={splits}: max abs error {errors[name]:.2e} "
-                                 f"against the reference, more than {allowed:.2e}")
-        times[name] = median_ms(f, *args, iters=iters)
+            errors[name] = f"wrong: max abs error {errors[name]:.2e}, more than {allowed:.2e}"
+            print(f"  {name}: {errors[name]}", flush=True)
     return times, errors
 
 
+def best_triton_variant(rows: list[dict], head_dim: int) -> str | None:
+    """The Triton variant ("kv{kv_blocks}_split{num_splits}") with the lowest geometric mean time relative to the
+    default over the tuned decode rows at head_dim that timed it correctly; None without such rows."""
+    rows = [r for r in rows if r.get("head_dim") == head_dim and "variants_ms" in r]
+    default = f"kv{TUNE_CONFIGS[0][0]}_split{TUNE_CONFIGS[0][1]}"
+    scores = {}
+    for name in (f"kv{kb}_split{ns}" for kb, ns in TUNE_CONFIGS):
+        ratios = [r["variants_ms"][name] / r["variants_ms"][default] for r in rows
+                  if isinstance(r["variants_max_abs_err"].get(name), float)
+                  and isinstance(r["variants_max_abs_err"].get(default), float)]
+        if ratios and len(ratios) == len(rows):
+            scores[name] = float(np.exp(np.mean(np.log(ratios))))
+    return min(scores, key=scores.get) if scores else None
+
+
 def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: str = "pallas",
-                    ceilings: dict | None = None, tune: bool = False) -> Iterator[dict]:
+                    ceilings: dict | None = None, tune: bool = False, variants: tuple[str, ...] | None = None
+                    ) -> Iterator[dict]:
     """Each case's row as it is done. backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++
     CPU kernel. ceilings: from `device_ceilings.measure` (adds the % columns). tune (Pallas): decode cases only,
-    each also timing the kernel's `TUNE_CONFIGS` (row["variants_ms"], row["best_variant"])."""
-    # --tune: decode cases only, Llama-3-8B's first and the longest contexts first (a stage cut short keeps those)
-    models = list(MODEL_SHAPES.items())[::-1] if tune else MODEL_SHAPES.items()
-    for model, (h, kh, d) in models:
-        workloads = attention_workloads(backend == "pallas" and not interpret, quick)
+    each also timing `tune_variants` (row["variants_ms"], row["variants_max_abs_err"], row["best_variant"])."""
+    def case_row(model: str, h: int, kh: int, d: int, name: str, seqs) -> dict:
+        """One case's row: the kernel checked against the reference, both timed (and the variants with tune)."""
+        args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
+        sm = d ** -0.5
+        if backend == "cpu":
+            kern = jax.jit(lambda *a, sm=sm: cpu_attention.ragged_paged_attention_cpu(*a, sm_scale=sm))
+        else:
+            kern = jax.jit(lambda *a, sm=sm: ragged_paged_attention(*a, sm_scale=sm, interpret=interpret))
+        ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
+        expected = ref(*args).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - expected)))
+        k_ms = median_ms(kern, *args, iters=iters)
+        r_ms = median_ms(ref, *args, iters=iters, budget_s=0.5 if tune else 2.0)
+        flops = causal_flops(seqs, h, d)
+        row = {"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
+               "case": f"{model} {name}", "head_dim": d, "tokens": int(args[0].shape[0]), "sequences": len(seqs),
+               "max_abs_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
+               "kv_bytes": kv_bytes, "kernel_kv_GBps": kv_bytes / k_ms / 1e6,
+               "reference_kv_GBps": kv_bytes / r_ms / 1e6, "causal_flops": flops,
+               "kernel_TFLOPs": flops / k_ms / 1e9, "reference_TFLOPs": flops / r_ms / 1e9}
+        if ceilings:
+            row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
+            row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
         if tune:
-            workloads = dict(sorted(((n, w) for n, w in workloads.items() if n.startswith("decode")),
-                                    key=lambda item: -item[1][0][0]))
-        for name, seqs in workloads.items():
-            args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
-            sm = d ** -0.5
-            if backend == "cpu":
-                kern = jax.jit(lambda *a, sm=sm: cpu_attention.ragged_paged_attention_cpu(*a, sm_scale=sm))
-            else:
-                kern = jax.jit(lambda *a, sm=sm: ragged_paged_attention(*a, sm_scale=sm, interpret=interpret))
-            ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
-            expected = ref(*args).astype(jnp.float32)
-            err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - expected)))
-            k_ms = median_ms(kern, *args, iters=iters)
-            r_ms = median_ms(ref, *args, iters=iters, budget_s=0.5 if tune else 2.0)
-            flops = causal_flops(seqs, h, d)
-            row = {"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
-                   "case": f"{model} {name}", "tokens": int(args[0].shape[0]), "sequences": len(seqs),
-                   "max_abs_err": err, "kernel_ms": k_ms, "reference_ms": r_ms, "speedup": r_ms / k_ms,
-                   "kv_bytes": kv_bytes, "kernel_kv_GBps": kv_bytes / k_ms / 1e6,
-                   "reference_kv_GBps": kv_bytes / r_ms / 1e6, "causal_flops": flops,
-                   "kernel_TFLOPs": flops / k_ms / 1e9, "reference_TFLOPs": flops / r_ms / 1e9}
-            if ceilings:
-                row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
-                row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
-            if tune:
-                row["variants_ms"], row["variants_max_abs_err"] = tune_decode(args, sm, interpret, iters, expected)
-                row["best_variant"] = min(row["variants_ms"], key=row["variants_ms"].get)
+            row["variants_ms"], row["variants_max_abs_err"] = tune_decode(args, sm, interpret, iters, expected,
+                                                                          variants)
+            correct = {k: v for k, v in row["variants_ms"].items() if isinstance(row["variants_max_abs_err"][k], float)}
+            if correct:
+                row["best_variant"] = min(correct, key=correct.get)
                 best_ms = row["variants_ms"][row["best_variant"]]
                 row["best_kv_GBps"] = kv_bytes / best_ms / 1e6
                 if ceilings:
                     row["best_pct_of_copy_bw"] = 100 * row["best_kv_GBps"] / ceilings["copy_GBps"]
-            yield row
+        return row
+
+    workloads = attention_workloads(backend == "pallas" and not interpret, quick)
+    cases = [(model, shape, name, seqs) for model, shape in MODEL_SHAPES.items() for name, seqs in workloads.items()]
+    if tune:  # decode cases only, the longest contexts first, the two models in turn (a stage cut short keeps both)
+        cases = sorted((c for c in cases if c[2].startswith("decode")), key=lambda c: (-c[3][0][0], len(c[3])))
+    for model, (h, kh, d), name, seqs in cases:
+        try:  # (a case that fails to compile or run is reported; the others still run)
+            row = case_row(model, h, kh, d, name, seqs)
+        except Exception as e:  # noqa: BLE001
+            print(f"{model} {name}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        yield row
 
 
 def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None) -> Iterator[dict]:
@@ -226,7 +271,7 @@ def row_line(r: dict) -> str:
                 f"{pct('kernel_pct_of_copy_bw', 'copy')} (ref {r['reference_tokens_per_s']:,.0f} tok/s)")
     line = (f"{r['kernel']:<16}{r['case']:<32}{check:>12}{r['kernel_ms']:>11.3f}{r['reference_ms']:>10.3f}"
             f"{r['speedup']:>8.2f}x  {tput}")
-    if "variants_ms" in r:
+    if "best_variant" in r:
         line += ("\n" + " " * 18 + "tuned: " + ", ".join(f"{k} {v:.3f}" for k, v in r["variants_ms"].items())
                  + f"; best {r['best_variant']}: {r['best_kv_GBps']:.1f} GB/s{pct('best_pct_of_copy_bw', 'copy')}")
     return line
@@ -251,7 +296,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="q and KV pool dtype (default: bfloat16 on GPU, float32 off GPU)")
     p.add_argument("--tune", action="store_true",
-                   help="also time the Pallas kernel's kv_blocks / num_splits variants on each decode case")
+                   help="also time the Pallas kernel's kv_blocks / num_splits variants on each decode case (and, on "
+                        "sm90, the Mosaic GPU decode kernel)")
+    p.add_argument("--tune-variants", default=None,
+                   help="with --tune: only the variants whose names start with one of these (comma-separated), "
+                        "e.g. kv1_split1,mosaic")
     p.add_argument("--no-ceilings", action="store_true",
                    help="skip measuring the device's copy bandwidth and matmul rate (no % columns)")
     p.add_argument("--output-json", default="bench_results/kernels.json")
@@ -273,7 +322,8 @@ def main(ns: argparse.Namespace) -> list[dict]:
     if ns.only in (None, "attention"):
         kernels.append(lambda: bench_attention(ns.quick if cpu_kernel else quick,
                                                ns.iters or (10 if cpu_kernel else iters), interpret, dtype,
-                                               "cpu" if cpu_kernel else "pallas", ceilings, ns.tune))
+                                               "cpu" if cpu_kernel else "pallas", ceilings, ns.tune,
+                                               tuple(ns.tune_variants.split(",")) if ns.tune_variants else None))
     if ns.only in (None, "sampling"):
         kernels.append(lambda: bench_sampling(quick, iters, interpret, ceilings))
     if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():

@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from jaxpaged.cli import build_parser
 
 
@@ -86,7 +84,8 @@ def test_bench_kernels_saves_each_case_as_it_goes(tmp_path, monkeypatch):
 
 
 def test_tune_times_each_variant_after_checking_it(monkeypatch):
-    """--tune: every (kv_blocks, num_splits) variant is checked against the reference, then timed."""
+    """--tune: every (kv_blocks, num_splits) variant is checked against the reference, then timed; one that is
+    wrong is named so and never the best, one that fails to compile is reported, and neither stops the run."""
     import jax.numpy as jnp
 
     from jaxpaged.bench import kernels
@@ -99,10 +98,33 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
     assert max(errors.values()) < 1e-5
     real = kernels.ragged_paged_attention
 
-    def split_drops_a_key(*a, num_splits, **kw):  # a variant that is off by what one lost key of 141 moves
-        out = real(*a, num_splits=num_splits, **kw)
+    def broken(*a, kv_blocks, num_splits, **kw):  # splits lose what one key of 141 moves; kv_blocks=8 won't build
+        if kv_blocks == 8:
+            raise RuntimeError("out of shared memory")
+        out = real(*a, kv_blocks=kv_blocks, num_splits=num_splits, **kw)
         return out.at[1, 0, 0].add(0.01) if num_splits > 1 else out
 
-    monkeypatch.setattr(kernels, "ragged_paged_attention", split_drops_a_key)
-    with pytest.raises(AssertionError, match="kv_blocks=1 num_splits=4: max abs error"):
-        kernels.tune_decode(args, 0.25, interpret=True, iters=1, reference=ref)
+    monkeypatch.setattr(kernels, "ragged_paged_attention", broken)
+    times, errors = kernels.tune_decode(args, 0.25, interpret=True, iters=1, reference=ref)
+    assert errors["kv1_split4"].startswith("wrong: max abs error") and "kv1_split4" in times
+    assert errors["kv8_split1"].startswith("failed: RuntimeError: out of shared memory") and "kv8_split1" not in times
+    assert isinstance(errors["kv4_split1"], float)
+    rows = [{"head_dim": 16, "variants_ms": {**times, "kv1_split4": 1e-9}, "variants_max_abs_err": errors}]
+    assert kernels.best_triton_variant(rows, 16) in ("kv1_split1", "kv4_split1")  # (kv8: not on every row)
+    assert kernels.best_triton_variant(rows, 64) is None
+
+
+def test_best_triton_variant_is_fastest_over_all_cases():
+    """The geometric mean of each variant's time relative to the default over the cases at one head_dim."""
+    from jaxpaged.bench.kernels import TUNE_CONFIGS, best_triton_variant
+
+    names = [f"kv{kb}_split{ns}" for kb, ns in TUNE_CONFIGS]
+    errors = dict.fromkeys(names, 1e-3)
+    fast_on_one = {n: 1.0 for n in names} | {"kv4_split1": 0.2, "kv8_split1": 0.6}
+    fast_on_other = {n: 1.0 for n in names} | {"kv4_split1": 2.0, "kv8_split1": 0.6}
+    rows = [{"head_dim": 64, "variants_ms": ms, "variants_max_abs_err": errors} for ms in (fast_on_one, fast_on_other)]
+    assert best_triton_variant(rows, 64) == "kv8_split1"  # 0.6 on both beats kv4's sqrt(0.2 * 2.0) = 0.63
+    rows[1]["variants_ms"]["kv4_split1"] = 1.0  # now kv4: sqrt(0.2) = 0.45
+    assert best_triton_variant(rows, 64) == "kv4_split1"
+    rows[1]["variants_max_abs_err"] = {**errors, "kv4_split1": "wrong: max abs error 1e-2"}  # wrong on a case
+    assert best_triton_variant(rows, 64) == "kv8_split1"
