@@ -9,13 +9,14 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
      reference and those ceilings (decode at 64-512 sequences of 1k-8k tokens, mixed, long prefill, sampling);
      it saves each case as it goes, so a stage cut short keeps its rows;
   3. with --with-tune: `jaxpaged bench kernels --only attention --tune`, each decode case also timed with the
-     Triton kernel's kv_blocks / num_splits variants; then, in a stage of its own (a kernel that hangs costs
-     50 s), the Mosaic GPU decode kernel against the Triton default on sm90;
+     Triton kernel's kv_blocks / num_splits variants, prefill and mixed with its query tile sizes; then, in a
+     stage of its own (a kernel that hangs costs 70 s), the Mosaic GPU decode kernel against the Triton
+     kernel's tuned defaults on sm90, and the sampler's tile / num_warps variants;
   4. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
      bf16, max_num_seqs 256 (async scheduling, the default);
   5. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
-  6. with --with-tune, where the tuning found a Triton variant faster than the default at the model's
-     head_dim (64): stage 4 again with that variant ($JAXPAGED_PALLAS_ATTENTION);
+  6. with --with-tuned-engine, where the tuning found a Triton variant faster than the tuned default at the
+     model's head_dim (64): stage 4 again with that variant ($JAXPAGED_PALLAS_ATTENTION);
   7. with --with-functional: `jaxpaged bench functional`, `functional.generate` against `LLM.generate`, 64
      prompts of 128 ids, 128 greedy tokens each (one process, both on the dummy model);
   8. with --with-sync: jaxpaged again without async scheduling.
@@ -32,10 +33,11 @@ import subprocess
 import sys
 import time
 
-STAGES = {  # name -> (time limit in seconds, smoke time limit), in the order they run: 9.7 minutes with --with-tune
-    "kernels": (100, 300), "kernels_tune": (150, 300), "kernels_mosaic": (50, 300),  # (tune, mosaic: --with-tune)
-    "jaxpaged_seqs256": (130, 300), "hf_static_bs256": (60, 300),
-    "jaxpaged_tuned_seqs256": (90, 300),  # with --with-tune, when a variant beat the default
+STAGES = {  # name -> (time limit in seconds, smoke time limit), in the order they run: 8.8 minutes with --with-tune
+    "kernels": (80, 300), "kernels_tune": (120, 300), "kernels_mosaic": (60, 300),  # (tune, mosaic: --with-tune)
+    "kernels_sampling_tune": (60, 300),  # with --with-tune
+    "jaxpaged_seqs256": (110, 300), "hf_static_bs256": (100, 300),  # (H200, 2026-12-04: 55, 77, -, 60, 81 s)
+    "jaxpaged_tuned_seqs256": (70, 300),  # with --with-tuned-engine, when a variant beat the default
     "functional": (50, 300), "jaxpaged_sync_seqs256": (60, 300),  # with --with-functional / --with-sync only
 }
 
@@ -49,12 +51,13 @@ def _throughput_cmd(model: str, out: str, ns, *, extra: list[str]) -> list[str]:
 def _tuned_variant(path: str, head_dim: int) -> str | None:
     """$JAXPAGED_PALLAS_ATTENTION for the Triton variant the tune stage found fastest at head_dim, None where
     it found none faster than the default (or saved nothing)."""
-    from jaxpaged.bench.kernels import TUNE_CONFIGS, best_triton_variant
+    from jaxpaged.bench.kernels import best_triton_variant
+    from pallas_kernels.paged_attention import default_variant
 
     if not os.path.exists(path):
         return None
     best = best_triton_variant(json.load(open(path))["rows"], head_dim)
-    if best is None or best == f"kv{TUNE_CONFIGS[0][0]}_split{TUNE_CONFIGS[0][1]}":
+    if best is None or best == "kv{kv_blocks}_split{num_splits}".format(**default_variant(head_dim)):
         return None
     kv_blocks, num_splits = best.removeprefix("kv").split("_split")
     return f"kv_blocks={kv_blocks},num_splits={num_splits}"
@@ -66,8 +69,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script on CPU)")
     p.add_argument("--with-sync", action="store_true", help="also run jaxpaged without async scheduling (+60 s)")
     p.add_argument("--with-tune", action="store_true",
-                   help="also time the attention kernel's variants and the Mosaic GPU kernel (+200 s), and the "
-                        "engine with the best variant (+90 s)")
+                   help="also time the attention kernel's variants, the Mosaic GPU kernel and the sampler's "
+                        "variants (+240 s)")
+    p.add_argument("--with-tuned-engine", action="store_true",
+                   help="also run the engine with the attention variant the tuning found fastest, where it is not "
+                        "the default (+70 s; with --with-tune)")
     p.add_argument("--with-functional", action="store_true", help="also time functional.generate (+50 s)")
     ns = p.parse_args(argv)
     ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
@@ -80,10 +86,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stages = {  # (the sync run reuses the first run's compiled steps from the persistent compilation cache)
         "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
         "kernels_tune": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
-                         "--tune-variants", "kv", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
+                         "--tune-variants", "kv,m", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
         "kernels_mosaic": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
-                           "--tune-variants", "kv1_split1,mosaic", "--no-ceilings",
+                           "--tune-variants", "kv4_split1,kv8_split1,mosaic", "--no-ceilings",
                            *(["--quick"] if ns.smoke else [])],
+        "kernels_sampling_tune": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "sampling",
+                                  "--tune", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
         "jaxpaged_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype]),
         "hf_static_bs256": _throughput_cmd(model, "", ns, extra=["--backend", "hf", "--hf-batch-size", "256",
                                                                  "--dtype", dtype]),
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                                        "--no-async-scheduling"]),
     }
     for name, wanted in (("kernels_tune", ns.with_tune), ("kernels_mosaic", ns.with_tune),
-                         ("jaxpaged_tuned_seqs256", ns.with_tune),
+                         ("kernels_sampling_tune", ns.with_tune), ("jaxpaged_tuned_seqs256", ns.with_tuned_engine),
                          ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync)):
         if not wanted:
             del stages[name]
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"| {r['stage']} | {r['status']} | {r.get('output_tok_s', '-')} | {r.get('wall_s', '-')} | "
               f"{r.get('warmup_s', '-')} | {r['stage_s']} |")
-    for name in ("kernels", "kernels_tune", "kernels_mosaic"):
+    for name in ("kernels", "kernels_tune", "kernels_mosaic", "kernels_sampling_tune"):
         path = os.path.join(ns.output_dir, f"{name}.json")
         if name in stages and os.path.exists(path):  # (also from a stage cut short: it saves each case as it goes)
             from jaxpaged.bench.kernels import print_table

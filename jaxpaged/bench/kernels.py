@@ -13,7 +13,9 @@ its sequences' contexts hold per second of kernel time and that as a share of th
 by it); on a GPU, decode at 64 / 256 / 512 sequences of 1k and 8k tokens, a mixed step and a long
 prefill, at SmolLM2's and Llama-3-8B's heads. Sampling: rows (tokens) per second and the logits'
 bytes per second. The CPU dense call: GFLOP/s over a model's matmuls. Prints a table and writes
-JSON (--output-json) after every case, so a run cut short keeps what it measured.
+JSON (--output-json) after every case, so a run cut short keeps what it measured. Each time is the median
+per call of calls dispatched back to back (`device_ceilings.median_ms`), on a GPU over input copies that
+together outgrow its L2 cache.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from pallas_kernels.paged_attention import ragged_paged_attention, reference_rag
 from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_mask, top_k_top_p_sampling
 
 MODEL_SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
+CACHE_SPAN_BYTES = 256 << 20  # on a GPU, a case's inputs are rotated among copies spanning this (4x an H200's L2)
+
+
+def copies_past_cache(nbytes: int) -> int:
+    """How many input sets of nbytes the timing cycles through so that together they span CACHE_SPAN_BYTES."""
+    return max(1, min(8, -(-CACHE_SPAN_BYTES // max(nbytes, 1))))
 
 
 def causal_flops(seqs: list[tuple[int, int]], heads: int, d: int) -> int:
@@ -81,15 +89,23 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
             jnp.asarray(positions, jnp.int32)), kv_bytes
 
 
-# (kv_blocks, num_splits) of the Pallas kernel timed by --tune on decode cases; the first is the default
+# (kv_blocks, num_splits) of the Pallas kernel timed by --tune on decode cases; the first is the baseline the
+# others are compared with (the defaults, `paged_attention.default_variant`, are the fastest of these on an H200)
 TUNE_CONFIGS = ((1, 1), (4, 1), (8, 1), (1, 4), (4, 4), (8, 8))
 MOSAIC_STAGES = (2, 4)  # the Mosaic GPU decode kernel's steps in flight, timed by --tune on sm90
+PREFILL_BLOCK_M = (16, 32, 64, 128)  # query rows per tile timed by --tune on prefill and mixed cases (16: default)
 
 
-def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = None) -> dict:
-    """name -> jitted attention(q, pool, layer, tables, token_seq, positions) of each variant --tune times: the
-    Triton kernel's `TUNE_CONFIGS`, and on an sm90 GPU the Mosaic GPU decode kernel (one token per sequence:
-    its length is the token's position + 1). only: the names starting with one of these."""
+def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = None, decode: bool = True) -> dict:
+    """name -> jitted attention(q, pool, layer, tables, token_seq, positions) of each variant --tune times.
+    Decode: the Triton kernel's `TUNE_CONFIGS` ("kv{kv_blocks}_split{num_splits}") and on an sm90 GPU the
+    Mosaic GPU decode kernel (one token per sequence: its length is the token's position + 1); prefill and
+    mixed steps: the Triton kernel's query tile sizes `PREFILL_BLOCK_M` ("m{block_m}", bigger tiles for
+    the tensor cores). only: the names starting with one of these."""
+    if not decode:
+        variants = {f"m{bm}": jax.jit(lambda *a, bm=bm: ragged_paged_attention(
+            *a, sm_scale=sm, block_m=bm, interpret=interpret)) for bm in PREFILL_BLOCK_M}
+        return {k: v for k, v in variants.items() if only is None or k.startswith(only)}
     variants = {f"kv{kb}_split{ns}": jax.jit(lambda *a, kb=kb, ns=ns: ragged_paged_attention(
         *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret)) for kb, ns in TUNE_CONFIGS}
     if not interpret and getattr(jax.devices()[0], "compute_capability", "") == "9.0":
@@ -100,18 +116,18 @@ def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = Non
     return {k: v for k, v in variants.items() if only is None or k.startswith(only)}
 
 
-def tune_decode(args, sm: float, interpret: bool, iters: int, reference, only: tuple[str, ...] | None = None
-                ) -> tuple[dict[str, float], dict]:
+def tune_case(args, sm: float, interpret: bool, iters: int, reference, only: tuple[str, ...] | None = None,
+              arg_sets: list[tuple] | None = None, decode: bool = True) -> tuple[dict[str, float], dict]:
     """Kernel ms and max abs error against `reference` (the plain-JAX output) of each `tune_variants` variant
-    on one decode case. A variant that fails to compile is reported (its error as a string) and skipped; one
+    on one case. A variant that fails to compile is reported (its error as a string) and skipped; one
     further from the reference than twice the best error so far (and 2e-3) is timed but named wrong (in
     bf16 correct kernels differ from it by rounding alone, while a lost block moves outputs by ~1e-3 at 8k
     keys), and is never the best."""
     times, errors = {}, {}
-    for name, f in tune_variants(sm, interpret, only).items():
+    for name, f in tune_variants(sm, interpret, only, decode).items():
         try:  # (a variant the compiler rejects, e.g. past shared memory, is reported, not fatal)
             errors[name] = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - reference)))
-            times[name] = median_ms(f, *args, iters=iters)
+            times[name] = median_ms(f, *args, iters=iters, arg_sets=arg_sets)
         except Exception as e:  # noqa: BLE001
             errors[name] = f"failed: {type(e).__name__}: {str(e)[:3000]}"
             print(f"  {name}: {errors[name]}", flush=True)
@@ -125,7 +141,8 @@ def tune_decode(args, sm: float, interpret: bool, iters: int, reference, only: t
 
 def best_triton_variant(rows: list[dict], head_dim: int) -> str | None:
     """The Triton variant ("kv{kv_blocks}_split{num_splits}") with the lowest geometric mean time relative to the
-    default over the tuned decode rows at head_dim that timed it correctly; None without such rows."""
+    baseline (`TUNE_CONFIGS[0]`) over the tuned decode rows at head_dim, among those correct on every such row;
+    None without such rows."""
     rows = [r for r in rows if r.get("head_dim") == head_dim and "variants_ms" in r]
     default = f"kv{TUNE_CONFIGS[0][0]}_split{TUNE_CONFIGS[0][1]}"
     scores = {}
@@ -142,11 +159,16 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
                     ceilings: dict | None = None, tune: bool = False, variants: tuple[str, ...] | None = None
                     ) -> Iterator[dict]:
     """Each case's row as it is done. backend "pallas": the Triton kernel (interpreted off GPU); "cpu": the C++
-    CPU kernel. ceilings: from `device_ceilings.measure` (adds the % columns). tune (Pallas): decode cases only,
-    each also timing `tune_variants` (row["variants_ms"], row["variants_max_abs_err"], row["best_variant"])."""
+    CPU kernel. ceilings: from `device_ceilings.measure` (adds the % columns). tune (Pallas): each case also
+    timing `tune_variants` (row["variants_ms"], row["variants_max_abs_err"], row["best_variant"]), those whose
+    names start with one of `variants` where given."""
     def case_row(model: str, h: int, kh: int, d: int, name: str, seqs) -> dict:
         """One case's row: the kernel checked against the reference, both timed (and the variants with tune)."""
         args, kv_bytes = attention_case(seqs, h, kh, d, dtype)
+        sets = None  # (a GPU: copies past L2, e.g. SmolLM2's 64 x 1k pool is 50 MB)
+        if backend == "pallas" and not interpret and copies_past_cache(args[1].nbytes) > 1:
+            sets = [args] + [attention_case(seqs, h, kh, d, dtype, seed=i)[0]
+                             for i in range(1, copies_past_cache(args[1].nbytes))]
         sm = d ** -0.5
         if backend == "cpu":
             kern = jax.jit(lambda *a, sm=sm: cpu_attention.ragged_paged_attention_cpu(*a, sm_scale=sm))
@@ -155,8 +177,8 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
         ref = jax.jit(lambda *a, sm=sm: reference_ragged_paged_attention(*a, sm_scale=sm))
         expected = ref(*args).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(kern(*args).astype(jnp.float32) - expected)))
-        k_ms = median_ms(kern, *args, iters=iters)
-        r_ms = median_ms(ref, *args, iters=iters, budget_s=0.5 if tune else 2.0)
+        k_ms = median_ms(kern, *args, iters=iters, arg_sets=sets)
+        r_ms = median_ms(ref, *args, iters=iters, budget_s=0.5 if tune else 2.0, arg_sets=sets)
         flops = causal_flops(seqs, h, d)
         row = {"kernel": "paged_attention" if backend == "pallas" else "cpu_attention",
                "case": f"{model} {name}", "head_dim": d, "tokens": int(args[0].shape[0]), "sequences": len(seqs),
@@ -168,8 +190,8 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
             row["kernel_pct_of_copy_bw"] = 100 * row["kernel_kv_GBps"] / ceilings["copy_GBps"]
             row["kernel_pct_of_matmul"] = 100 * row["kernel_TFLOPs"] / ceilings["matmul_TFLOPs"]
         if tune:
-            row["variants_ms"], row["variants_max_abs_err"] = tune_decode(args, sm, interpret, iters, expected,
-                                                                          variants)
+            row["variants_ms"], row["variants_max_abs_err"] = tune_case(
+                args, sm, interpret, iters, expected, variants, sets, decode=name.startswith("decode"))
             correct = {k: v for k, v in row["variants_ms"].items() if isinstance(row["variants_max_abs_err"][k], float)}
             if correct:
                 row["best_variant"] = min(correct, key=correct.get)
@@ -181,8 +203,11 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
 
     workloads = attention_workloads(backend == "pallas" and not interpret, quick)
     cases = [(model, shape, name, seqs) for model, shape in MODEL_SHAPES.items() for name, seqs in workloads.items()]
-    if tune:  # decode cases only, the longest contexts first, the two models in turn (a stage cut short keeps both)
-        cases = sorted((c for c in cases if c[2].startswith("decode")), key=lambda c: (-c[3][0][0], len(c[3])))
+    if tune:  # prefill and mixed, then decodes with the longest contexts first, the two models in turn (a stage
+        # cut short keeps both)
+        prefill = variants is None or any(v.startswith("m") for v in variants)  # (prefill variants are m{block_m})
+        cases = sorted((c for c in cases if prefill or c[2].startswith("decode")),
+                       key=lambda c: (c[2].startswith("decode"), -c[3][0][0], len(c[3])))
     for model, (h, kh, d), name, seqs in cases:
         try:  # (a case that fails to compile or run is reported; the others still run)
             row = case_row(model, h, kh, d, name, seqs)
@@ -192,27 +217,58 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
         yield row
 
 
-def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None) -> Iterator[dict]:
-    """64 rows (quick: 8) of 49k and 128k logits; the logits' bytes per second against the copy bandwidth."""
+# (tile, num_warps) of the sampler timed by --tune: one program per row makes each pass over its logits a loop
+# of tile-sized steps, each ending in block-wide reductions (on an H200 at 1,024 a step, a pass over 128k
+# logits took ~90 us: latency per step, not bandwidth); the first is the default
+SAMPLER_TUNE = ((1024, 4), (4096, 4), (4096, 8), (16384, 8), (16384, 16))
+
+
+def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None,
+                   tune: bool = False) -> Iterator[dict]:
+    """64 rows (quick: 8) of 49k and 128k logits; the logits' bytes per second against the copy bandwidth.
+    tune: each case also timing the `SAMPLER_TUNE` variants ("tile{tile}_w{num_warps}"), each checked to draw
+    nothing outside the kept set (row["variants_ms"], row["variants_outside"], row["best_variant"])."""
     batch = 8 if quick else 64
     for vocab in (49_152, 128_256):
         logits = jax.random.normal(jax.random.PRNGKey(vocab), (batch, vocab), jnp.float32) * 3
         keys = jax.random.split(jax.random.PRNGKey(1), batch)
+        others = [jax.random.normal(jax.random.PRNGKey(vocab + i), (batch, vocab), jnp.float32) * 3
+                  for i in range(1, 1 if interpret else copies_past_cache(logits.nbytes))]  # (GPU: past L2)
         for name, k, p in (("top-k 50 + top-p 0.9", 50, 0.9), ("top-p 0.9", 0, 0.9), ("top-k 50", 50, 1.0)):
             temp, top_k, top_p = jnp.full(batch, 0.8), jnp.full(batch, k, jnp.int32), jnp.full(batch, p)
             kern = jax.jit(lambda *a: top_k_top_p_sampling(*a, interpret=interpret))
             ref = jax.jit(reference_top_k_top_p_sampling)
-            tok = kern(logits, keys, temp, top_k, top_p)
             kept = top_k_top_p_mask(logits / 0.8, top_k, top_p) > -jnp.inf
-            outside = int(jnp.sum(~jnp.take_along_axis(kept, tok[:, None], axis=1)))
-            k_ms = median_ms(kern, logits, keys, temp, top_k, top_p, iters=iters)
-            r_ms = median_ms(ref, logits, keys, temp, top_k, top_p, iters=iters)
+
+            def outside(f, args=(logits, keys, temp, top_k, top_p), kept=kept):  # draws outside the kept set
+                tok = f(*args)
+                return int(jnp.sum(~jnp.take_along_axis(kept, tok[:, None], axis=1)))
+
+            sets = [(x, keys, temp, top_k, top_p) for x in [logits, *others]]
+            k_ms = median_ms(kern, *sets[0], iters=iters, arg_sets=sets)
+            r_ms = median_ms(ref, *sets[0], iters=iters, arg_sets=sets)
             row = {"kernel": "sampling", "case": f"V={vocab} {name}", "tokens": batch,
-                   "draws_outside_kept_set": outside, "kernel_ms": k_ms, "reference_ms": r_ms,
+                   "draws_outside_kept_set": outside(kern), "kernel_ms": k_ms, "reference_ms": r_ms,
                    "speedup": r_ms / k_ms, "kernel_tokens_per_s": batch / k_ms * 1e3,
                    "reference_tokens_per_s": batch / r_ms * 1e3, "kernel_logits_GBps": logits.nbytes / k_ms / 1e6}
             if ceilings:
                 row["kernel_pct_of_copy_bw"] = 100 * row["kernel_logits_GBps"] / ceilings["copy_GBps"]
+            if tune:
+                row["variants_ms"], row["variants_outside"] = {}, {}
+                for tile, warps in SAMPLER_TUNE:
+                    variant = f"tile{tile}_w{warps}"
+                    f = jax.jit(lambda *a, t=tile, w=warps: top_k_top_p_sampling(*a, tile=t, num_warps=w,
+                                                                                 interpret=interpret))
+                    try:  # (one the compiler rejects is reported, not fatal)
+                        row["variants_outside"][variant] = outside(f)
+                        row["variants_ms"][variant] = median_ms(f, *sets[0], iters=iters, arg_sets=sets)
+                    except Exception as e:  # noqa: BLE001
+                        row["variants_outside"][variant] = f"failed: {type(e).__name__}: {str(e)[:2000]}"
+                        print(f"  {variant}: {row['variants_outside'][variant]}", flush=True)
+                correct = {v: ms for v, ms in row["variants_ms"].items() if row["variants_outside"][v] == 0}
+                if correct:
+                    row["best_variant"] = min(correct, key=correct.get)
+                    row["best_logits_GBps"] = logits.nbytes / correct[row["best_variant"]] / 1e6
             yield row
 
 
@@ -272,8 +328,10 @@ def row_line(r: dict) -> str:
     line = (f"{r['kernel']:<16}{r['case']:<32}{check:>12}{r['kernel_ms']:>11.3f}{r['reference_ms']:>10.3f}"
             f"{r['speedup']:>8.2f}x  {tput}")
     if "best_variant" in r:
+        rate = (f"{r['best_kv_GBps']:.1f} GB/s{pct('best_pct_of_copy_bw', 'copy')}" if "best_kv_GBps" in r
+                else f"{r['best_logits_GBps']:.1f} GB/s of logits")
         line += ("\n" + " " * 18 + "tuned: " + ", ".join(f"{k} {v:.3f}" for k, v in r["variants_ms"].items())
-                 + f"; best {r['best_variant']}: {r['best_kv_GBps']:.1f} GB/s{pct('best_pct_of_copy_bw', 'copy')}")
+                 + f"; best {r['best_variant']}: {rate}")
     return line
 
 
@@ -297,7 +355,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="q and KV pool dtype (default: bfloat16 on GPU, float32 off GPU)")
     p.add_argument("--tune", action="store_true",
                    help="also time the Pallas kernel's kv_blocks / num_splits variants on each decode case (and, on "
-                        "sm90, the Mosaic GPU decode kernel)")
+                        "sm90, the Mosaic GPU decode kernel), its query tile sizes on prefill and mixed cases, and "
+                        "the sampler's tile / num_warps variants")
     p.add_argument("--tune-variants", default=None,
                    help="with --tune: only the variants whose names start with one of these (comma-separated), "
                         "e.g. kv1_split1,mosaic")
@@ -325,7 +384,7 @@ def main(ns: argparse.Namespace) -> list[dict]:
                                                "cpu" if cpu_kernel else "pallas", ceilings, ns.tune,
                                                tuple(ns.tune_variants.split(",")) if ns.tune_variants else None))
     if ns.only in (None, "sampling"):
-        kernels.append(lambda: bench_sampling(quick, iters, interpret, ceilings))
+        kernels.append(lambda: bench_sampling(quick, iters, interpret, ceilings, ns.tune))
     if ns.only in (None, "dense") and jax.default_backend() == "cpu" and cpu_dense.panel():
         kernels.append(lambda: bench_dense(ns.quick, ns.iters or 10, ceilings))
     rows = []

@@ -1,15 +1,18 @@
 """`compile_grammar`: a request's `StructuredOutputsParams` as an llguidance grammar, checked against the
-tokenizer, or a ValueError naming the field and what is wrong (unsupported JSON-schema keys included)."""
+tokenizer, or a ValueError naming the field and what is wrong (unsupported JSON-schema keys included).
+llguidance is imported when a grammar is first built, so the engine imports without it (the GPU machine has
+none; a fresh install always does)."""
 
 from __future__ import annotations
 
 import json
 import re
-
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.gbnf_to_lark import any_to_lark
+from typing import TYPE_CHECKING
 
 from jaxpaged.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 
 def _json_options(p: StructuredOutputsParams) -> dict:
@@ -23,6 +26,9 @@ def _json_options(p: StructuredOutputsParams) -> dict:
 
 def grammar_source(p: StructuredOutputsParams) -> str:
     """The llguidance grammar text for `p` (not yet validated)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
     kind = p.kind
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else p.json
@@ -46,6 +52,8 @@ def grammar_source(p: StructuredOutputsParams) -> str:
 
 def compile_grammar(p: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> str:
     """Validated grammar text for `p`; ValueError naming `structured_outputs.<kind>` when it is unusable."""
+    from llguidance import LLMatcher
+
     source = grammar_source(p)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
     if is_error:

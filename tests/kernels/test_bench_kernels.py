@@ -93,9 +93,11 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
 
     args, _ = kernels.attention_case([(100, 1), (40, 1)], 6, 2, 16, jnp.float32)
     ref = reference_ragged_paged_attention(*args, sm_scale=0.25)
-    times, errors = kernels.tune_decode(args, 0.25, interpret=True, iters=1, reference=ref)
+    times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref)
     assert list(times) == [f"kv{kb}_split{ns}" for kb, ns in kernels.TUNE_CONFIGS] and min(times.values()) > 0
     assert max(errors.values()) < 1e-5
+    times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref, decode=False)
+    assert list(times) == [f"m{bm}" for bm in kernels.PREFILL_BLOCK_M] and max(errors.values()) < 1e-5
     real = kernels.ragged_paged_attention
 
     def broken(*a, kv_blocks, num_splits, **kw):  # splits lose what one key of 141 moves; kv_blocks=8 won't build
@@ -105,7 +107,7 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
         return out.at[1, 0, 0].add(0.01) if num_splits > 1 else out
 
     monkeypatch.setattr(kernels, "ragged_paged_attention", broken)
-    times, errors = kernels.tune_decode(args, 0.25, interpret=True, iters=1, reference=ref)
+    times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref)
     assert errors["kv1_split4"].startswith("wrong: max abs error") and "kv1_split4" in times
     assert errors["kv8_split1"].startswith("failed: RuntimeError: out of shared memory") and "kv8_split1" not in times
     assert isinstance(errors["kv4_split1"], float)
@@ -128,3 +130,51 @@ def test_best_triton_variant_is_fastest_over_all_cases():
     assert best_triton_variant(rows, 64) == "kv4_split1"
     rows[1]["variants_max_abs_err"] = {**errors, "kv4_split1": "wrong: max abs error 1e-2"}  # wrong on a case
     assert best_triton_variant(rows, 64) == "kv8_split1"
+
+
+def test_median_ms_times_back_to_back_calls_over_the_argument_sets():
+    """Each sample dispatches several calls before it waits (no host round trip per short kernel), cycling
+    through the given argument sets (inputs past the GPU's L2); the time is per call."""
+    import time
+
+    import jax.numpy as jnp
+
+    from jaxpaged.bench.device_ceilings import median_ms
+    from jaxpaged.bench.kernels import CACHE_SPAN_BYTES, copies_past_cache
+
+    seen = []
+
+    def slow(x):
+        seen.append(int(x[0]))
+        time.sleep(0.002)
+        return x
+
+    sets = [(jnp.full(4, i),) for i in range(3)]
+    ms = median_ms(slow, *sets[0], iters=4, arg_sets=sets, sample_ms=10.0)
+    assert 1.9 < ms < 4.0  # per call, not per sample of several calls
+    timed = seen[4:]  # (after a warm-up call on each set and one synchronized call)
+    assert len(timed) >= 4 * 2 and set(timed) == {0, 1, 2} and timed[:3] == [0, 1, 2]
+    assert copies_past_cache(50 << 20) == 6 and copies_past_cache(CACHE_SPAN_BYTES) == 1
+    assert copies_past_cache(1) == 8
+
+
+def test_sampler_tune_checks_each_variant_and_survives_one_that_fails(monkeypatch):
+    """--tune on the sampler: each (tile, num_warps) variant must draw inside the kept set to be timed as the
+    best; one the compiler rejects is reported and the case still comes out."""
+    from jaxpaged.bench import kernels
+
+    real = kernels.top_k_top_p_sampling
+
+    def sampler(*a, tile=1024, num_warps=4, **kw):
+        if tile == 4096:
+            raise RuntimeError("too many registers")
+        return real(*a, tile=tile, num_warps=num_warps, **kw)
+
+    monkeypatch.setattr(kernels, "SAMPLER_TUNE", ((1024, 4), (256, 4), (4096, 4)))
+    monkeypatch.setattr(kernels, "top_k_top_p_sampling", sampler)
+    row = next(kernels.bench_sampling(quick=True, iters=1, interpret=True, tune=True))
+    assert row["draws_outside_kept_set"] == 0
+    assert row["variants_outside"]["tile1024_w4"] == 0 and row["variants_outside"]["tile256_w4"] == 0
+    assert row["variants_outside"]["tile4096_w4"].startswith("failed: RuntimeError: too many registers")
+    assert set(row["variants_ms"]) == {"tile1024_w4", "tile256_w4"}
+    assert row["best_variant"] in row["variants_ms"] and "tuned: " in kernels.row_line(row)

@@ -162,4 +162,20 @@ def test_variant_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="JAXPAGED_PALLAS_ATTENTION"):
         lowered()
     monkeypatch.delenv("JAXPAGED_PALLAS_ATTENTION")
-    assert re.search(r"ragged_paged_attention_m16(?!_)\b", lowered())
+    assert re.search(r"ragged_paged_attention_m16_kv8(?!_)\b", lowered())  # the tuned default at head_dim 64
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,name", [(9, 3, 64, "m16_kv8"), (32, 8, 128, "m16_kv4"),
+                                                   (4, 2, 32, "m16_kv8"), (8, 8, 256, "m16_kv4")])
+def test_default_variant_is_the_tuned_one_for_its_head_dim(heads, kv_heads, d, name, monkeypatch):
+    """A call that names no variant gets the one timed fastest on an H200 for its head_dim (8 blocks a step up
+    to 64, 4 above, no split), which is what the engine's steps call."""
+    from pallas_kernels.paged_attention import default_variant
+
+    monkeypatch.delenv("JAXPAGED_PALLAS_ATTENTION", raising=False)
+    assert default_variant(d) == {"kv_blocks": int(name[-1]), "num_splits": 1}
+    spec = jax.ShapeDtypeStruct
+    args = (spec((64, heads, d), jnp.bfloat16), spec((2, 2, 256, 16, kv_heads, d), jnp.bfloat16),
+            spec((), jnp.int32), spec((8, 32), jnp.int32), spec((64,), jnp.int32), spec((64,), jnp.int32))
+    text = lower_for_cuda(lambda *a: ragged_paged_attention(*a, sm_scale=0.125), *args)
+    assert re.search(rf"ragged_paged_attention_{name}(?!_)\b", text)

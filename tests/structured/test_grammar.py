@@ -67,3 +67,19 @@ def test_all_ones_bitmask_leaves_logits_alone():
     logits = jnp.arange(70, dtype=jnp.float32).reshape(2, 35)
     out = apply_token_bitmask(logits, jnp.full((2, 2), -1, jnp.int32))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
+
+
+def test_the_engine_imports_without_llguidance():
+    """The GPU machine runs the project from its tree and has no llguidance: only building a grammar needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['llguidance'] = None\n"
+            "import jaxpaged, jaxpaged.cli, jaxpaged.bench.gpu, jaxpaged.runner.model_runner\n"
+            "from jaxpaged.structured import compile_grammar\n"
+            "from jaxpaged.sampling_params import StructuredOutputsParams\n"
+            "try:\n    compile_grammar(StructuredOutputsParams(regex='a+'))\n"
+            "except ImportError:\n    print('needs llguidance only to build a grammar')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "needs llguidance only to build a grammar" in out.stdout
