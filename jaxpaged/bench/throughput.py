@@ -41,9 +41,14 @@ STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}}
 
 
 def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
-                 temperature: float = 1.0, structured_fraction: float = 0.0) -> dict:
+                 temperature: float = 1.0, structured_fraction: float = 0.0, profile_dir: str | None = None) -> dict:
     """Generate the workload with `LLM.generate` (EOS ignored, n samples each); the first `structured_fraction`
-    of every ten requests constrained to STRUCTURED_SCHEMA."""
+    of every ten requests constrained to STRUCTURED_SCHEMA. profile_dir: a JAX profiler trace of the timed run
+    written there (device kernels and host threads, for TensorBoard's profile plugin or xprof)."""
+    import contextlib
+
+    import jax
+
     from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
 
     t0 = time.perf_counter()
@@ -53,9 +58,10 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
     params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n,
                              seed=i, structured_outputs=constraint if i % 10 < 10 * structured_fraction else None)
               for i, r in enumerate(reqs)]
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in reqs], params)
-    wall = time.perf_counter() - t0
+    with jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt_token_ids for r in reqs], params)
+        wall = time.perf_counter() - t0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == n * sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
     eng = llm.engine
@@ -204,6 +210,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "repeat a paragraph word for word (output: its length, capped by the upper --output-len)")
     p.add_argument("--vllm-python", default=None,
                    help="with --compare vllm: the python of a venv with vLLM installed (run in a subprocess)")
+    p.add_argument("--profile-dir", default=None,
+                   help="write a JAX profiler trace of jaxpaged's timed run there (where one engine runs)")
     p.add_argument("--output-json", default="bench_results/throughput.json")
     EngineArgs.add_cli_args(p)
 
@@ -301,7 +309,8 @@ def main(ns: argparse.Namespace) -> list[dict]:
     backends = [ns.backend] + ([ns.compare] if ns.compare and ns.compare != ns.backend else [])
     for b in backends:
         if b == "jaxpaged":
-            results.append(run_jaxpaged(reqs, engine_args, ns.n, temperature=ns.temperature))
+            results.append(run_jaxpaged(reqs, engine_args, ns.n, temperature=ns.temperature,
+                                        profile_dir=ns.profile_dir))
         elif b == "vllm":
             from jaxpaged.bench.vllm_peer import run_vllm
 
