@@ -225,20 +225,22 @@ def _ragged_paged_attention_kernel(
 VARIANT_ENV = "JAXPAGED_PALLAS_ATTENTION"
 
 
-def default_variant(head_dim: int) -> dict[str, int]:
-    """The Triton kernel's kv_blocks and num_splits as timed fastest on an H200 (jax 0.11.2, bf16; `jaxpaged
-    bench kernels --tune`, 2026-12-04, decode at 64-512 sequences of 1k-8k tokens, geometric mean against
-    kv_blocks=1): 8 blocks a step at head_dim <= 64 (0.62x the time of one block a step; SmolLM2's heads),
-    4 above (0.76x; Llama-3-8B's). No split: 8 splits win only for 64 long sequences (0.32x / 0.57x at 64 x
-    8k) and lose at 512 x 1k, and a step's split count is static while its contexts are not."""
-    return {"kv_blocks": 8 if head_dim <= 64 else 4, "num_splits": 1}
+def default_variant(head_dim: int, block_size: int = 16) -> dict[str, int]:
+    """The Triton kernel's kv_blocks and num_splits as timed fastest on an H200 (jax 0.11.2, bf16, 16-token
+    blocks; `jaxpaged bench kernels --tune`, 2026-12-04, decode at 64-512 sequences of 1k-8k tokens, geometric
+    mean against one block a step): 128 keys a step at head_dim <= 64 (8 blocks: 0.62x the time of one;
+    SmolLM2's heads; 4 blocks were within 2% of it), 64 above (4 blocks: 0.76x; Llama-3-8B's), as blocks of
+    block_size. No split: 8 splits are fastest at 64 and 256 sequences of 8k (0.82x / 0.97x the time of these
+    at 64 x 8k) and lose at 512 x 1k, and a step's split count is static while its contexts are not."""
+    keys = 128 if head_dim <= 64 else 64
+    return {"kv_blocks": max(1, keys // block_size), "num_splits": 1}
 
 
-def kernel_variant(head_dim: int) -> dict[str, int]:
-    """The Triton kernel's kv_blocks and num_splits when a call names neither: `default_variant(head_dim)`, or
-    as $JAXPAGED_PALLAS_ATTENTION sets them, e.g. "kv_blocks=8,num_splits=4" (read when a step is traced: to
+def kernel_variant(head_dim: int, block_size: int = 16) -> dict[str, int]:
+    """The Triton kernel's kv_blocks and num_splits when a call names neither: `default_variant`, or as
+    $JAXPAGED_PALLAS_ATTENTION sets them, e.g. "kv_blocks=8,num_splits=4" (read when a step is traced: to
     time the engine with a variant `jaxpaged bench kernels --tune` found faster)."""
-    variant = default_variant(head_dim)
+    variant = default_variant(head_dim, block_size)
     for item in filter(None, os.environ.get(VARIANT_ENV, "").replace(" ", "").split(",")):
         key, _, value = item.partition("=")
         if key not in variant or not value.isdigit():
@@ -281,8 +283,8 @@ def ragged_paged_attention(
         loads per step (the block ids gathered from the table) for small blocks and heads.
       num_splits: programs per (tile, KV head), each walking a share of the context (flash-decoding), their
         float32 partial results combined after: more programs in flight for few, long sequences.
-        Both default to `kernel_variant(head_dim)` (tuned on an H200 unless $JAXPAGED_PALLAS_ATTENTION says
-        otherwise).
+        Both default to `kernel_variant(head_dim, block_size)` (tuned on an H200 unless
+        $JAXPAGED_PALLAS_ATTENTION says otherwise).
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [T, H, D] in q's dtype.
     """
@@ -297,7 +299,7 @@ def ragged_paged_attention(
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
     if kv_blocks is None or num_splits is None:
-        variant = kernel_variant(q.shape[2])
+        variant = kernel_variant(q.shape[2], kv_pool.shape[3])
         kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
         num_splits = variant["num_splits"] if num_splits is None else num_splits
     if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 ROWS = 64  # wgmma's M: the query group (heads per KV head) padded to it
 KEYS = 64  # keys per step of the walk (wgmma's K for P @ V with a 128-byte swizzle): several KV blocks
+SMEM_BYTES = 227 << 10  # an sm90 block's shared memory
 
 
 def decode_paged_attention_mgpu(
@@ -41,10 +42,15 @@ def decode_paged_attention_mgpu(
     g = h // kh
     if h % kh or g > ROWS:
         raise ValueError(f"query heads {h} must be a multiple of KV heads {kh}, at most {ROWS} per KV head")
-    if d % 64 or q.dtype not in (jnp.bfloat16, jnp.float16) or kv_pool.dtype != q.dtype:
-        raise ValueError(f"needs head_dim % 64 == 0 and bf16/f16 q and pool, got {d}, {q.dtype}, {kv_pool.dtype}")
-    if KEYS % bs:
-        raise ValueError(f"block_size {bs} must divide {KEYS}")
+    if d % 64 or d > 256 or q.dtype not in (jnp.bfloat16, jnp.float16) or kv_pool.dtype != q.dtype:
+        raise ValueError(f"needs head_dim a multiple of 64 up to 256 (wgmma's N) and bf16/f16 q and pool, got "
+                         f"{d}, {q.dtype}, {kv_pool.dtype}")
+    if KEYS % bs or bs % 8:
+        raise ValueError(f"block_size {bs} must divide {KEYS} and be a multiple of 8 (the shared tiles' rows)")
+    smem = ROWS * d * 2 * (1 + 2 * stages)  # the queries' tile and `stages` K and V tiles, 2 bytes each
+    if smem > SMEM_BYTES:
+        raise ValueError(f"{stages} stages at head_dim {d} need {smem >> 10} KiB of shared memory, more than "
+                         f"{SMEM_BYTES >> 10}")
     return _decode(q, kv_pool, layer, block_tables, seq_lens, sm_scale=sm_scale, stages=stages)
 
 
@@ -68,7 +74,7 @@ def _decode(q, kv_pool, layer, block_tables, seq_lens, *, sm_scale, stages):
         seq, head = lax.axis_index("seq"), lax.axis_index("kvh")
         length = lens_gmem[seq]
         steps = (length + KEYS - 1) // KEYS
-        last = (length + bs - 1) // bs - 1
+        last = jnp.minimum((length + bs - 1) // bs - 1, tables_gmem.shape[1] - 1)  # (never past the table)
         k_row0, v_row0 = scalars_gmem[0], scalars_gmem[1]
 
         def fetch(step, slot):  # the step's blocks (clamped to the sequence's last: keys past it are masked)

@@ -10,7 +10,7 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
      it saves each case as it goes, so a stage cut short keeps its rows;
   3. with --with-tune: `jaxpaged bench kernels --only attention --tune`, each decode case also timed with the
      Triton kernel's kv_blocks / num_splits variants, prefill and mixed with its query tile sizes; then, in a
-     stage of its own (a kernel that hangs costs 70 s), the Mosaic GPU decode kernel against the Triton
+     stage of its own (a kernel that hangs costs 60 s), the Mosaic GPU decode kernel against the Triton
      kernel's tuned defaults on sm90, and the sampler's tile / num_warps variants;
   4. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
      bf16, max_num_seqs 256 (async scheduling, the default);
@@ -62,7 +62,7 @@ def _tuned_variant(path: str, head_dim: int) -> str | None:
     if not os.path.exists(path):
         return None
     best = best_triton_variant(json.load(open(path))["rows"], head_dim)
-    if best is None or best == "kv{kv_blocks}_split{num_splits}".format(**default_variant(head_dim)):
+    if best is None or best == "kv{kv_blocks}_split{num_splits}".format(**default_variant(head_dim, 16)):
         return None
     kv_blocks, num_splits = best.removeprefix("kv").split("_split")
     return f"kv_blocks={kv_blocks},num_splits={num_splits}"
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stages = {  # (the sync run reuses the first run's compiled steps from the persistent compilation cache)
         "kernels": [sys.executable, "-m", "jaxpaged", "bench", "kernels", *(["--quick"] if ns.smoke else [])],
         "kernels_tune": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
-                         "--tune-variants", "kv,m", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
+                         "--tune-variants", "kv,bm", "--no-ceilings", *(["--quick"] if ns.smoke else [])],
         "kernels_mosaic": [sys.executable, "-m", "jaxpaged", "bench", "kernels", "--only", "attention", "--tune",
                            "--tune-variants", "kv4_split1,kv8_split1,mosaic", "--no-ceilings",
                            *(["--quick"] if ns.smoke else [])],
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cmd[cmd.index("--num-prompts") + 1] = str(min(ns.num_prompts, 256))
         cmd[cmd.index("--output-len") + 1] = "8" if ns.smoke else "64"
     for name, wanted in (("kernels_tune", ns.with_tune), ("kernels_mosaic", ns.with_tune),
-                         ("kernels_sampling_tune", ns.with_tune), ("jaxpaged_tuned_seqs256", ns.with_tuned_engine),
+                         ("kernels_sampling_tune", ns.with_tune),
+                         ("jaxpaged_tuned_seqs256", ns.with_tune and ns.with_tuned_engine),  # (this run's tuning)
                          ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync),
                          ("jaxpaged_profile", ns.with_profile)):
         if not wanted:

@@ -24,10 +24,21 @@ def _json_options(p: StructuredOutputsParams) -> dict:
     return options
 
 
+def _llguidance():
+    """The llguidance module, or a ValueError naming the field (a request's error, not a server's crash)."""
+    try:
+        import llguidance
+        import llguidance.gbnf_to_lark
+    except ImportError:
+        raise ValueError("structured_outputs needs llguidance, which is not installed here "
+                         "(`pip install llguidance`, a dependency of jaxpaged)") from None
+    return llguidance
+
+
 def grammar_source(p: StructuredOutputsParams) -> str:
     """The llguidance grammar text for `p` (not yet validated)."""
-    from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
+    llguidance = _llguidance()
+    LLMatcher, any_to_lark = llguidance.LLMatcher, llguidance.gbnf_to_lark.any_to_lark  # noqa: N806
 
     kind = p.kind
     if kind in ("json", "json_object"):
@@ -52,10 +63,8 @@ def grammar_source(p: StructuredOutputsParams) -> str:
 
 def compile_grammar(p: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> str:
     """Validated grammar text for `p`; ValueError naming `structured_outputs.<kind>` when it is unusable."""
-    from llguidance import LLMatcher
-
     source = grammar_source(p)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(source, tokenizer)
     if is_error:
         message = messages[0].strip().splitlines()[0] if messages else "invalid"
         raise ValueError(f"structured_outputs.{p.kind} is not supported: {message}")

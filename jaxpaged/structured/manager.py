@@ -31,6 +31,9 @@ class StructuredOutputManager:
 
     @functools.cached_property
     def tokenizer(self):
+        from jaxpaged.structured.grammar import _llguidance
+
+        _llguidance()  # (a ValueError naming the field where llguidance is missing)
         import llguidance.hf
 
         try:

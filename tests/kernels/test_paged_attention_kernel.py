@@ -156,8 +156,8 @@ def test_variant_from_the_environment(monkeypatch):
     args = (spec((64, 9, 64), jnp.bfloat16), spec((2, 2, 256, 16, 3, 64), jnp.bfloat16), spec((), jnp.int32),
             spec((8, 32), jnp.int32), spec((64,), jnp.int32), spec((64,), jnp.int32))
     lowered = lambda: lower_for_cuda(lambda *a: ragged_paged_attention(*a, sm_scale=0.125), *args)  # noqa: E731
-    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=8, num_splits=2")  # (a new trace each time)
-    assert "ragged_paged_attention_m16_kv8_split2" in lowered()
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=2, num_splits=2")  # (a new trace each time)
+    assert "ragged_paged_attention_m16_kv2_split2" in lowered()
     monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", "kv_blocks=eight")
     with pytest.raises(ValueError, match="JAXPAGED_PALLAS_ATTENTION"):
         lowered()
@@ -168,12 +168,14 @@ def test_variant_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads,d,name", [(9, 3, 64, "m16_kv8"), (32, 8, 128, "m16_kv4"),
                                                    (4, 2, 32, "m16_kv8"), (8, 8, 256, "m16_kv4")])
 def test_default_variant_is_the_tuned_one_for_its_head_dim(heads, kv_heads, d, name, monkeypatch):
-    """A call that names no variant gets the one timed fastest on an H200 for its head_dim (8 blocks a step up
-    to 64, 4 above, no split), which is what the engine's steps call."""
+    """A call that names no variant gets the one timed fastest on an H200 for its head_dim (128 keys a step up
+    to 64, 64 above, no split: 8 and 4 blocks of 16), which is what the engine's steps call."""
     from pallas_kernels.paged_attention import default_variant
 
     monkeypatch.delenv("JAXPAGED_PALLAS_ATTENTION", raising=False)
     assert default_variant(d) == {"kv_blocks": int(name[-1]), "num_splits": 1}
+    assert default_variant(d, block_size=32) == {"kv_blocks": int(name[-1]) // 2, "num_splits": 1}  # same keys
+    assert default_variant(d, block_size=256)["kv_blocks"] == 1
     spec = jax.ShapeDtypeStruct
     args = (spec((64, heads, d), jnp.bfloat16), spec((2, 2, 256, 16, kv_heads, d), jnp.bfloat16),
             spec((), jnp.int32), spec((8, 32), jnp.int32), spec((64,), jnp.int32), spec((64,), jnp.int32))

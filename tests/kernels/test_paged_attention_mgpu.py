@@ -28,8 +28,11 @@ def test_lowers_for_cuda(h, kh, d, stages):
     (8, 8, 32, jnp.bfloat16, 16, "head_dim"),
     (9, 2, 64, jnp.bfloat16, 16, "multiple of KV heads"),
     (8, 8, 64, jnp.bfloat16, 48, "block_size"),
+    (8, 8, 64, jnp.bfloat16, 4, "multiple of 8"),
+    (8, 8, 512, jnp.bfloat16, 16, "up to 256"),
+    (8, 8, 256, jnp.bfloat16, 16, "shared memory"),  # at 4 stages
 ])
 def test_rejects_what_it_cannot_do(h, kh, d, dtype, bs, match):
     args = [jnp.zeros(a.shape, a.dtype) for a in _args(h, kh, d, dtype, bs)]
     with pytest.raises(ValueError, match=match):
-        decode_paged_attention_mgpu(*args, sm_scale=0.1)
+        decode_paged_attention_mgpu(*args, sm_scale=0.1, stages=4)
