@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_sampling
+from pallas_kernels.sampling import reference_top_k_top_p_sampling, top_k_top_p_mask, top_k_top_p_sampling
 from tests.kernels.cuda_lowering import lower_for_cuda
 from tests.kernels.test_sampling_reference import assert_draws_follow, filtered_probs
 
@@ -58,6 +58,19 @@ def test_same_distribution_as_the_reference():
     want = filtered_probs(logits[0], 0.9, 20, 0.85)
     assert_draws_follow(np.asarray(top_k_top_p_sampling(jnp.asarray(logits), *args, tile=32, interpret=True)), want)
     assert_draws_follow(np.asarray(reference_top_k_top_p_sampling(jnp.asarray(logits), *args)), want)
+
+
+@pytest.mark.parametrize("k,p", [(3, 1.0), (3, 0.95), (40, 1.0)])
+def test_ties_at_the_top_k_boundary_are_kept(k, p):
+    """Logits in steps of 0.5 (many ties): the k-th largest value's ties all stay, as in the reference's mask
+    (and vLLM's: a token is cut only when k tokens are strictly more likely)."""
+    logits = np.round(np.random.default_rng(5).normal(size=200) * 2) / 2
+    logits[:4] = [4.0, 3.0, 3.0, 3.0]  # (k=3: the k-th value 3.0 held by three tokens)
+    logits = logits.astype(np.float32)
+    masked = np.asarray(top_k_top_p_mask(jnp.asarray(logits[None]), jnp.array([k]), jnp.array([p])))[0]
+    want = np.where(masked > -np.inf, np.exp(logits - logits.max()), 0.0)
+    assert (want > 0).sum() > k  # (the ties are there)
+    assert_draws_follow(draw(np.tile(logits, (N, 1)), 1.0, k, p, tile=32), want / want.sum())
 
 
 def test_bad_arguments_raise():
