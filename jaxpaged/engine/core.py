@@ -72,7 +72,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and self.speculative is None
         if config.async_scheduling and self.speculative is not None:
             logger.info("Speculative decoding: steps run synchronously (async scheduling is off)")
-        self.draft_budget = (DraftBudget(self.runner.buckets)
+        self.draft_budget = (DraftBudget(self.runner.buckets, by_tokens=not self.runner.pays_for_padding)
                              if self.speculative is not None and self.speculative.adaptive else None)
         self._in_flight: StepHandle | None = None
         self._dispatched_at = 0.0
@@ -183,7 +183,7 @@ class EngineCore:
             self.clock.fetched(time.perf_counter(), waited)
         if self.draft_budget is not None:
             self.draft_budget.observe_step(handle.bucket, time.perf_counter() - self._dispatched_at,
-                                           handle.plan.num_drafts is not None)
+                                           handle.plan.num_drafts is not None, sum(handle.out.num_new_tokens))
         out: SchedulerOutput = handle.out
         if result.prompt_logprobs is not None:
             for req, start, rows in zip(out.requests, out.starts, result.prompt_logprobs):

@@ -6,7 +6,10 @@ bound by compute (a CPU, or a large batch), a draft pays only if it is accepted 
 the drafts that maximize (tokens the step yields) / (the step's time): the step's own tokens plus each draft's
 chance of acceptance (a request's conditional acceptance rate a, compounding: position j is kept with a^(j+1)),
 over the time of the token bucket they fill (timed once per bucket at startup, then a running average of what
-steps actually take).
+steps actually take). Where a step costs its real tokens rather than its bucket (`by_tokens`: packed CPU
+weights skip padding rows, `ModelRunner.pays_for_padding`), a partly filled bucket costs the interpolation
+between the bucket below (at its size) and its own, every draft count is a candidate, and an observed step's
+time counts for its full bucket scaled by that share.
 """
 
 from __future__ import annotations
@@ -26,16 +29,23 @@ MIN_GAIN = 0.1
 class DraftBudget:
     """Step times per token bucket, acceptance rates, and the choice of drafts for a step."""
 
-    def __init__(self, buckets: list[int]):
+    def __init__(self, buckets: list[int], by_tokens: bool = False):
         self.buckets = list(buckets)
+        self.by_tokens = by_tokens
         # token bucket -> seconds a step of it takes, without drafts and verifying some (their LM-head rows)
         self.step_seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self.accepted = 0  # accepted drafts over all requests
         self.rejections = 0  # verifications that ended at a rejected draft
 
     # -- what is measured -------------------------------------------------------------------
-    def observe_step(self, bucket: int, seconds: float, with_drafts: bool) -> None:
+    def observe_step(self, bucket: int, seconds: float, with_drafts: bool, num_tokens: int | None = None) -> None:
+        """A step of `bucket` took `seconds`; with by_tokens, one of `num_tokens` real tokens (scaled to a full
+        bucket's time by its estimated share)."""
         table = self.step_seconds[with_drafts]
+        if self.by_tokens and num_tokens is not None and 0 < num_tokens < bucket and bucket in table:
+            full = self.seconds(bucket, with_drafts)
+            share = self.seconds(num_tokens, with_drafts) / full if full > 0 else 1.0
+            seconds /= max(share, 1e-3)
         old = table.get(bucket)
         table[bucket] = seconds if old is None else STEP_TIME_DECAY * old + (1 - STEP_TIME_DECAY) * seconds
 
@@ -52,9 +62,17 @@ class DraftBudget:
 
     def seconds(self, tokens: int, with_drafts: bool) -> float:
         """Estimated time of a step of `tokens` tokens: its bucket's, never less than a smaller bucket's (or, with
-        drafts, than the same step without them: timings are noisy); past the timed buckets, linear in tokens."""
+        drafts, than the same step without them: timings are noisy); past the timed buckets, linear in tokens.
+        With by_tokens, a partly filled bucket: interpolated from the bucket below at its size."""
         i = bisect.bisect_left(self.buckets, tokens)
         bucket = self.buckets[min(i, len(self.buckets) - 1)]
+        if self.by_tokens and 0 < i < len(self.buckets) and tokens < bucket:
+            lo = self.buckets[i - 1]
+            below, full = self._timed(lo, lo, with_drafts), self._timed(bucket, bucket, with_drafts)
+            return below + (full - below) * (tokens - lo) / (bucket - lo)
+        return self._timed(tokens, bucket, with_drafts)
+
+    def _timed(self, tokens: int, bucket: int, with_drafts: bool) -> float:
         best, largest = 0.0, 0
         tables = (self.step_seconds[False], self.step_seconds[True]) if with_drafts else (self.step_seconds[False],)
         for table in tables:
@@ -77,13 +95,14 @@ class DraftBudget:
                 chances.append((p, i))
         chances.sort(key=lambda c: -c[0])
         room = max(0, min(len(chances), max_tokens - base_tokens))
-        # more drafts in the same bucket cost nothing more: try each bucket filled (or every draft kept)
+        # more drafts in the same bucket cost nothing more: try each bucket filled (or every draft kept); where
+        # a step costs its tokens, every count
         best, best_rate = 0, (1 + MIN_GAIN) * base_tokens / max(self.seconds(base_tokens, False), 1e-9)
         cumulative = [0.0]
         for p, _ in chances[:room]:
             cumulative.append(cumulative[-1] + p)
-        for bucket in self.buckets:
-            d = min(bucket - base_tokens, room)
+        counts = range(1, room + 1) if self.by_tokens else (min(b - base_tokens, room) for b in self.buckets)
+        for d in counts:
             if d <= 0:
                 continue
             rate = (base_tokens + cumulative[d]) / max(self.seconds(base_tokens + d, True), 1e-9)

@@ -16,8 +16,8 @@ def requests(count: int, drafts: int, accepted: int = 0, rejections: int = 0) ->
     return out
 
 
-def budget(times: dict[int, float], verify_extra: float = 0.0) -> DraftBudget:
-    b = DraftBudget(BUCKETS)
+def budget(times: dict[int, float], verify_extra: float = 0.0, by_tokens: bool = False) -> DraftBudget:
+    b = DraftBudget(BUCKETS, by_tokens=by_tokens)
     for bucket, t in times.items():
         b.observe_step(bucket, t, False)
         b.observe_step(bucket, t + verify_extra, True)
@@ -95,3 +95,29 @@ def test_step_time_estimates_are_monotone_and_extrapolated():
     assert b.seconds(20, False) == 0.05
     assert b.seconds(10, True) == 0.05
     assert b.seconds(128, False) == 0.05 * 128 / 32
+
+
+def test_where_steps_cost_their_tokens_each_draft_must_pay_for_itself():
+    """Packed CPU weights skip padding rows: drafts filling a bucket are no longer free. Likely drafts (first
+    positions of well-accepted requests) stay; the rarely accepted ones, which the bucket-filling rule keeps
+    for free, are dropped."""
+    times = {16: 0.016, 32: 0.020, 64: 0.040}  # (16 -> 32 tokens: a quarter of a ms a token)
+
+    def mix():
+        return requests(2, 4, accepted=90, rejections=10) + requests(2, 4, accepted=2, rejections=18)
+
+    reqs = mix()
+    assert budget(times).trim(16, reqs, 128) == 16  # bucket 32 filled: its time is paid anyway
+    reqs = mix()
+    assert budget(times, by_tokens=True).trim(16, reqs, 128) == 8
+    assert [len(r.spec_token_ids) for r in reqs] == [4, 4, 0, 0]
+
+
+def test_by_tokens_step_times_interpolate_and_observed_steps_count_for_their_full_bucket():
+    b = budget({16: 0.016, 32: 0.032}, by_tokens=True)
+    assert b.seconds(24, False) == 0.024 and b.seconds(32, False) == 0.032 and b.seconds(8, False) == 0.016
+    b.observe_step(32, 0.024, False, num_tokens=24)  # three quarters of the bucket, at its predicted time
+    assert abs(b.step_seconds[False][32] - 0.032) < 1e-12
+    plain = budget({16: 0.016, 32: 0.032})
+    plain.observe_step(32, 0.024, False, num_tokens=24)  # (a bucket's time, whatever fills it)
+    assert plain.seconds(24, False) < 0.032
