@@ -8,8 +8,8 @@ and the index of the output token drawn (the sampler's fold_in(seed, index)). So
 greedy and seeded requests with the tokens an uninterrupted one would draw, up to float rounding: the KV
 blocks are not saved but recomputed (a prefill step computes thousands of tokens a second, reading blocks back
 would save little), and a prefill's arithmetic is not bit for bit the decodes' it replaces, so a draw that
-falls within rounding of a boundary (a near-tie) may come out the other way, rarely and thousands of tokens
-in (seen once in CI over 14,000 draws from a random model's near-uniform distribution).
+falls within rounding of a boundary (a near-tie) may come out the other way, rarely (likely the one CI failure
+of the server's snapshot test, which compared 15,000 draws from a random model's near-uniform distribution).
 
 On disk, orbax's CheckpointManager: a save is written to a temporary folder and renamed when complete (a save
 cut short never looks like a snapshot), the two newest are kept, and the metadata carries a checksum of the

@@ -60,16 +60,18 @@ class DraftBudget:
         mine = req.num_accepted_tokens + req.num_draft_rejections
         return (req.num_accepted_tokens + PRIOR_WEIGHT * prior) / (mine + PRIOR_WEIGHT)
 
-    def seconds(self, tokens: int, with_drafts: bool) -> float:
+    def seconds(self, tokens: int, with_drafts: bool, full: dict[int, float] | None = None) -> float:
         """Estimated time of a step of `tokens` tokens: its bucket's, never less than a smaller bucket's (or, with
         drafts, than the same step without them: timings are noisy); past the timed buckets, linear in tokens.
-        With by_tokens, a partly filled bucket: interpolated from the bucket below at its size."""
+        With by_tokens, a partly filled bucket: interpolated from the bucket below at its size. full: each
+        bucket's time, where a caller asking for many sizes has them (`trim`)."""
         i = bisect.bisect_left(self.buckets, tokens)
         bucket = self.buckets[min(i, len(self.buckets) - 1)]
         if self.by_tokens and 0 < i < len(self.buckets) and tokens < bucket:
             lo = self.buckets[i - 1]
-            below, full = self._timed(lo, lo, with_drafts), self._timed(bucket, bucket, with_drafts)
-            return below + (full - below) * (tokens - lo) / (bucket - lo)
+            below, top = ((full[lo], full[bucket]) if full is not None
+                          else (self._timed(lo, lo, with_drafts), self._timed(bucket, bucket, with_drafts)))
+            return below + (top - below) * (tokens - lo) / (bucket - lo)
         return self._timed(tokens, bucket, with_drafts)
 
     def _timed(self, tokens: int, bucket: int, with_drafts: bool) -> float:
@@ -102,10 +104,11 @@ class DraftBudget:
         for p, _ in chances[:room]:
             cumulative.append(cumulative[-1] + p)
         counts = range(1, room + 1) if self.by_tokens else (min(b - base_tokens, room) for b in self.buckets)
+        full = {b: self._timed(b, b, True) for b in self.buckets} if self.by_tokens else None  # (once a step)
         for d in counts:
             if d <= 0:
                 continue
-            rate = (base_tokens + cumulative[d]) / max(self.seconds(base_tokens + d, True), 1e-9)
+            rate = (base_tokens + cumulative[d]) / max(self.seconds(base_tokens + d, True, full), 1e-9)
             if rate > best_rate:
                 best, best_rate = d, rate
             if d == room:
