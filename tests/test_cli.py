@@ -110,3 +110,18 @@ def test_every_flag_has_help_default_and_choices():
         assert set(by_flag["--scheduling-policy"].choices) >= {"fcfs", "priority"}
         assert set(by_flag["--logprobs-mode"].choices) == {"raw_logprobs", "processed_logprobs"}
         assert "SmolLM2" in by_flag["--model"].help
+
+
+def all_parsers(parser: argparse.ArgumentParser, path: str = "jaxpaged"):
+    """Every parser under PARSER with its command path, depth first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from all_parsers(sub, f"{path} {name}")
+
+
+def test_every_command_prints_its_help():
+    """`--help` formats each help string with %-expansion: a bare % in one is a traceback for the user."""
+    for path, parser in all_parsers(build_parser()):
+        assert parser.format_help(), path

@@ -365,7 +365,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --tune: only the variants whose names start with one of these (comma-separated), "
                         "e.g. kv1_split1,mosaic")
     p.add_argument("--no-ceilings", action="store_true",
-                   help="skip measuring the device's copy bandwidth and matmul rate (no % columns)")
+                   help="skip measuring the device's copy bandwidth and matmul rate (no %% columns)")
     p.add_argument("--output-json", default="bench_results/kernels.json")
 
 
