@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63)  # vLLM's (a 64-bit signed integer)
+
+
+def row_seed(seed: int) -> int:
+    """The 32-bit seed a request's row samples with: `seed` itself in [0, 2**32), other 64-bit seeds hashed
+    into that range (NumPy's SeedSequence)."""
+    if 0 <= seed < 2**32:
+        return seed
+    return int(np.random.SeedSequence(seed % 2**64).generate_state(1)[0])
 
 
 @dataclass
@@ -94,15 +106,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_int("n", minimum=1)
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k == -1:
             self.top_k = 0
         self._check_int("top_k", minimum=0)
         if self.seed is not None:
-            self._check_int("seed", minimum=0)
+            self._check_int("seed", minimum=SEED_RANGE[0])
+            if self.seed >= SEED_RANGE[1]:
+                raise ValueError(f"seed must be a 64-bit integer (< 2**63), got {self.seed!r}")
         if self.max_tokens is not None:
             self._check_int("max_tokens", minimum=1)
         self._check_int("min_tokens", minimum=0)
@@ -134,9 +149,12 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             try:
-                self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise ValueError("logit_bias must map integer token ids to numbers") from None
+            if not all(math.isfinite(v) for v in bias.values()):
+                raise ValueError("logit_bias values must be finite numbers")
+            self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids or not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of non-negative ints")
@@ -152,8 +170,10 @@ class SamplingParams:
 
     def _check_float(self, name: str, *, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
         v = getattr(self, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (lo < v if lo_open else lo <= v) or v > hi:
-            raise ValueError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or not (lo < v if lo_open else lo <= v) or v > hi):
+            raise ValueError(f"{name} must be a finite number in {'(' if lo_open else '['}{lo}, {hi}"
+                             f"{']' if math.isfinite(hi) else ')'}, got {v!r}")
         setattr(self, name, float(v))
 
     @property

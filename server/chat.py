@@ -47,6 +47,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(body)
     messages = parse_messages(body)
     params = sampling_params_from(body, default_max_tokens=None, chat=True)
+    state.check_n(params.n)
     tok = state.engine.tokenizer
     try:
         prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -77,6 +77,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     wants_prompt_logprobs = body.get("prompt_logprobs") is not None
     engine_body, only_prompt = echo_request(body)
     params = sampling_params_from(engine_body, default_max_tokens=16)
+    state.check_n(params.n)
     as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
     tok = state.engine.tokenizer
     prompts = parse_prompts(body, tok)

@@ -22,6 +22,7 @@ class ServerState:
         cfg = engine.engine.config
         self.model_name = model_name or os.path.basename(cfg.model_config.model.rstrip("/"))
         self.max_model_len = cfg.scheduler_config.max_model_len
+        self.max_num_seqs = cfg.scheduler_config.max_num_seqs
         self.api_key = api_key
         self.limits = TenantLimits(tenants) if tenants else None
         engine.engine.set_kv_shares({t.name: (t.kv_min, t.kv_max) for t in tenants} if tenants else None)
@@ -43,6 +44,12 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
                            err_type="NotFoundError")
+
+    def check_n(self, n: int) -> None:
+        """A request's samples run at once, one sequence slot each: more than there are is a 400 (before the
+        handler sizes anything by n)."""
+        if n > self.max_num_seqs:
+            raise APIError(f"n: {n} samples exceed the server's max_num_seqs={self.max_num_seqs}", param="n")
 
     def check_length(self, prompt_len: int, max_tokens: int | None, *, where: str) -> None:
         """OpenAI's context-length error; `where` names the input ("prompt" or "messages")."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams, row_seed
 
 
 def test_defaults_are_vllms():
@@ -15,15 +15,18 @@ def test_defaults_are_vllms():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(n=0), dict(n=1.5), dict(n=True), dict(temperature=-0.1), dict(temperature="1"), dict(top_p=0),
-    dict(top_p=1.01), dict(top_p="0.5"), dict(top_k=-2), dict(top_k=1.0), dict(seed=-1), dict(seed=2.0),
+    dict(n=0), dict(n=1.5), dict(n=True), dict(temperature=-0.1), dict(temperature="1"),
+    dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0), dict(top_p=1.01), dict(top_p="0.5"),
+    dict(top_k=-2), dict(top_k=1.0), dict(seed=2**63), dict(seed=-(2**63) - 1), dict(seed=2.0),
     dict(max_tokens=0), dict(max_tokens=True), dict(min_tokens=-1), dict(min_tokens=5, max_tokens=4),
     dict(stop_token_ids=[-1]), dict(stop_token_ids=[1.0]), dict(stop_token_ids=[True]), dict(stop_token_ids=5),
     dict(stop=[""]), dict(stop=[3]), dict(stop=""), dict(logprobs=-1), dict(logprobs=MAX_LOGPROBS + 1),
     dict(prompt_logprobs=-1), dict(prompt_logprobs=MAX_LOGPROBS + 1), dict(repetition_penalty=0),
-    dict(repetition_penalty=-1), dict(presence_penalty=2.01), dict(presence_penalty=-2.01),
+    dict(repetition_penalty=-1), dict(repetition_penalty=float("inf")), dict(repetition_penalty=float("nan")),
+    dict(presence_penalty=2.01), dict(presence_penalty=-2.01),
     dict(frequency_penalty=2.5), dict(frequency_penalty=-3), dict(min_p=-0.1), dict(min_p=1.1), dict(min_p=True),
-    dict(logit_bias=[1]), dict(logit_bias={"x": 1}), dict(logit_bias={1: "a"}), dict(allowed_token_ids=[]),
+    dict(logit_bias=[1]), dict(logit_bias={"x": 1}), dict(logit_bias={1: "a"}), dict(logit_bias={1: float("nan")}),
+    dict(logit_bias={1: float("-inf")}), dict(allowed_token_ids=[]),
     dict(allowed_token_ids=[-1]), dict(allowed_token_ids=[1.0]), dict(bad_words=[""]), dict(bad_words=[3]),
 ])
 def test_bad_values_name_their_field(kw):
@@ -51,12 +54,22 @@ def test_good_edges_and_normalization():
     edge = SamplingParams(seed=0, stop_token_ids=[0], logprobs=MAX_LOGPROBS, prompt_logprobs=0, min_p=0.0,
                           top_k=0, allowed_token_ids=[0], presence_penalty=2, frequency_penalty=-2)
     assert (edge.seed, edge.stop_token_ids, edge.logprobs, edge.prompt_logprobs) == (0, [0], MAX_LOGPROBS, 0)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_every_64_bit_seed_is_a_32_bit_row_seed():
+    """Rows sample with 32-bit seeds: a seed in that range is kept (seeded outputs do not move), any other
+    64-bit seed (vLLM takes them, negative ones too) is hashed into it, distinct seeds to distinct rows."""
+    assert [row_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    big = [row_seed(s) for s in (2**32, 2**32 + 1, 2**63 - 1, -1, -(2**63))]
+    assert all(0 <= s < 2**32 for s in big) and len(set(big)) == len(big)
+    assert row_seed(2**40) == row_seed(2**40)
 
 
 def test_messages_say_what_is_wrong():
-    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \(0.0, inf\], got 0"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a finite number in \(0.0, inf\), got 0"):
         SamplingParams(repetition_penalty=0)
-    with pytest.raises(ValueError, match=r"min_p must be a number in \[0.0, 1.0\], got 2"):
+    with pytest.raises(ValueError, match=r"min_p must be a finite number in \[0.0, 1.0\], got 2"):
         SamplingParams(min_p=2)
     with pytest.raises(ValueError, match="logit_bias must be a dict of token id -> bias, got list"):
         SamplingParams(logit_bias=[1])

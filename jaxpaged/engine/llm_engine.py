@@ -48,7 +48,7 @@ from jaxpaged.models.registry import (
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, row_seed
 from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager
 
@@ -256,7 +256,7 @@ class LLMEngine:
         self.validate_prompt(ids, params, tenant)
         if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
-        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        base_seed = row_seed(params.seed) if params.seed is not None else int(self._seed_rng.integers(2**31))
         rows = self._processor_rows(params)  # read-only, shared by the n samples
         grammar = self.structured.grammar(params.structured_outputs) if params.structured_outputs else None
         requests = []

@@ -12,6 +12,8 @@ import numpy as np
 
 from jaxpaged.request import Request
 
+MAX_INT32 = 2**31 - 1
+
 
 class InputBatch:
     """Rows of running requests. R = max_num_seqs rows, L = max_model_len, W = block-table width."""
@@ -60,7 +62,8 @@ class InputBatch:
         self.prompt_len[row] = len(req.prompt_token_ids)
         self.set_blocks(row, block_ids)
         p = req.sampling_params
-        self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
+        self.temperature[row], self.top_p[row] = p.temperature, p.top_p
+        self.top_k[row] = min(p.top_k, MAX_INT32)  # (k past the vocabulary keeps every token)
         self.seed[row] = req.seed
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.prompt_logprobs[row] = p.prompt_logprobs is not None

@@ -119,6 +119,14 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "echo": True}, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "echo": True, "max_tokens": -1}, 400),
     ("/v1/completions", {"model": "tiny", "prompt": "w5", "echo": "yes"}, 400),
+    # numbers the engine's arrays cannot hold, or that are not numbers: 400s, not a dead engine loop
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "seed": 2**64}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "n": 10**20}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "n": 10**8}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "temperature": float("nan")}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "temperature": float("inf")}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "repetition_penalty": float("inf")}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": "w5", "logit_bias": {"5": float("nan")}}, 400),
 ]
 
 
@@ -136,6 +144,25 @@ def test_bad_input_gets_openai_errors(live_server, path, body, status):
         if isinstance(body, dict) and field in body and (field != "echo" or "chat" in path):
             assert payload["error"]["param"] == field and "not supported" in payload["error"]["message"]
     # and the server keeps serving
+    assert client(live_server).completions.create(model="tiny", prompt="w5", max_tokens=1).choices
+
+
+def test_extreme_but_valid_numbers_are_served(live_server):
+    """64-bit seeds (vLLM's range, negative ones too), a top_k or priority past any int32, a stop token id past
+    the vocabulary: each is served (a seed is as reproducible as any), and the server keeps serving."""
+    c = client(live_server)
+
+    def text(**extra):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=1.0,
+                                 extra_body={"ignore_eos": True, **extra})
+        return r.choices[0].text
+
+    for seed in (2**32, 2**40, -1, 2**63 - 1, -(2**63)):
+        assert text(seed=seed) == text(seed=seed)
+    assert len({text(seed=s) for s in (2**40, 2**40 + 1, 2**41, 2**42)}) > 1
+    assert text(top_k=10**20, seed=3) == text(seed=3)  # (k past the vocabulary keeps every token)
+    text(priority=10**20)
+    text(stop_token_ids=[10**20])
     assert client(live_server).completions.create(model="tiny", prompt="w5", max_tokens=1).choices
 
 
