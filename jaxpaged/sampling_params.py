@@ -103,6 +103,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (their single-token forms are masked)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex...)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self) -> None:
         self._check_int("n", minimum=1)
@@ -165,8 +166,20 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1, got {k!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the request uses it: with `truncate_prompt_tokens` k, its last k tokens (vLLM's left
+        truncation; -1: the last max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        k = max_model_len if k == -1 else k
+        return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
 
     def _check_float(self, name: str, *, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
         v = getattr(self, name)

@@ -54,6 +54,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                               return_dict=True)["input_ids"])
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+    prompt = params.truncated(prompt, state.max_model_len)
     state.check_length(len(prompt), params.max_tokens, where="messages")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
         await pull_blocks(state, request, source, [prompt])

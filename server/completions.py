@@ -80,7 +80,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state.check_n(params.n)
     as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
     tok = state.engine.tokenizer
-    prompts = parse_prompts(body, tok)
+    prompts = [p if (ids := params.truncated(p.token_ids, state.max_model_len)) is p.token_ids else Prompt(ids, None)
+               for p in parse_prompts(body, tok)]
     for p in prompts:
         state.check_length(len(p.token_ids), params.max_tokens, where="prompt")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)

@@ -159,6 +159,7 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bo
         allowed_token_ids=get_field(body, "allowed_token_ids", (list,), None),
         bad_words=get_field(body, "bad_words", (list,), None),
         structured_outputs=structured_outputs_from(body),
+        truncate_prompt_tokens=get_field(body, "truncate_prompt_tokens", (int,), None),
     )
     try:
         return SamplingParams(**kwargs)

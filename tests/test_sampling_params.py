@@ -28,6 +28,7 @@ def test_defaults_are_vllms():
     dict(logit_bias=[1]), dict(logit_bias={"x": 1}), dict(logit_bias={1: "a"}), dict(logit_bias={1: float("nan")}),
     dict(logit_bias={1: float("-inf")}), dict(allowed_token_ids=[]),
     dict(allowed_token_ids=[-1]), dict(allowed_token_ids=[1.0]), dict(bad_words=[""]), dict(bad_words=[3]),
+    dict(truncate_prompt_tokens=0), dict(truncate_prompt_tokens=-2), dict(truncate_prompt_tokens=True),
 ])
 def test_bad_values_name_their_field(kw):
     field = next(iter(kw))

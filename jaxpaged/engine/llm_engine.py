@@ -253,6 +253,8 @@ class LLMEngine:
         """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError). tenant: the
         server's tenant whose KV share the requests count against (`set_kv_shares`)."""
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        if (cut := params.truncated(ids, self.config.scheduler_config.max_model_len)) is not ids:
+            text, ids = None, cut
         self.validate_prompt(ids, params, tenant)
         if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")

@@ -58,6 +58,20 @@ def test_min_tokens_suppresses_eos(llm):
     assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's left truncation: the request runs on the prompt's last k tokens (its output is that shorter
+    prompt's), -1 keeps up to max_model_len, and a prompt shorter than k is untouched."""
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cut, tail, full, whole = llm.generate(
+        [PROMPT, PROMPT[-3:], PROMPT, PROMPT],
+        [SamplingParams(**greedy, truncate_prompt_tokens=3), SamplingParams(**greedy),
+         SamplingParams(**greedy, truncate_prompt_tokens=-1), SamplingParams(**greedy, truncate_prompt_tokens=50)],
+        use_tqdm=False)
+    assert cut.prompt_token_ids == PROMPT[-3:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    assert full.prompt_token_ids == PROMPT == whole.prompt_token_ids
+    assert full.outputs[0].token_ids == whole.outputs[0].token_ids != cut.outputs[0].token_ids
+
+
 def test_logit_bias_allowed_ids_and_mixed_batch_do_not_recompile(llm):
     params = [
         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}),

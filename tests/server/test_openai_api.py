@@ -166,6 +166,27 @@ def test_extreme_but_valid_numbers_are_served(live_server):
     assert client(live_server).completions.create(model="tiny", prompt="w5", max_tokens=1).choices
 
 
+def test_truncate_prompt_tokens_over_http(live_server):
+    """The request runs on the prompt's last k tokens: what it generates, its usage and its echo are that
+    prompt's; a prompt too long for the model fits once truncated; a bad k is a 400 naming the field."""
+    c = client(live_server)
+    greedy = dict(model="tiny", max_tokens=4, temperature=0)
+    words = PROMPT.split()
+    cut = c.completions.create(prompt=PROMPT, echo=True, extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True},
+                               **greedy)
+    tail = c.completions.create(prompt=" ".join(words[-3:]), extra_body={"ignore_eos": True}, **greedy)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.split() == words[-3:] + tail.choices[0].text.split()
+    long = " ".join(["w5"] * 300)  # (past this server's max_model_len of 256)
+    r = c.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": 100}, **greedy)
+    assert r.usage.prompt_tokens == 100
+    chat = c.chat.completions.create(messages=[{"role": "user", "content": long}],
+                                     extra_body={"truncate_prompt_tokens": 50}, **greedy)
+    assert chat.usage.prompt_tokens == 50
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0}, **greedy)
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 @pytest.mark.parametrize("path,field,where", [("/v1/completions", "prompt", "prompt"),
                                               ("/v1/chat/completions", "messages", "messages")])
 def test_too_long_input_names_what_was_too_long(live_server, path, field, where):
