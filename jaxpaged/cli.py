@@ -65,6 +65,17 @@ def _serve_disagg(ns: argparse.Namespace) -> None:
     proxy_main(ns)
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one); the socket layer would wrap a bigger number onto another port."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import functional as functional_bench
     from jaxpaged.bench import host as host_bench
@@ -92,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: %(default)s)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
                                                      "(default: none)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model "
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--decode", required=True, metavar="URL[,URL]",
                     help="base URLs of `jaxpaged serve --kv-role consumer` instances (sharing --kv-offload-dir)")
     dg.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    dg.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    dg.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: %(default)s)")
     dg.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take upstream "
                                                                  "(default: %(default)s)")
     dg.set_defaults(func=_serve_disagg)

@@ -87,6 +87,13 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(config_only_model):
     assert got.stderr.strip() == f"error: --port: cannot listen on 127.0.0.1:{port}: address already in use"
 
 
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range(port):
+    """99999 would wrap to port 34463 in the socket layer and the server would listen there."""
+    got = run("serve", "--port", port, timeout=60)
+    assert got.returncode == 2 and "argument --port:" in got.stderr and "not a port number" in got.stderr
+
+
 def test_serve_refuses_a_bad_tenants_file_before_loading(config_only_model, tmp_path):
     (tmp_path / "t.toml").write_text('[tenants.a]\napi_key = "k"\nkv_share = { min = 2 }\n')
     got = run("serve", "--model", config_only_model, "--tenants", str(tmp_path / "t.toml"))
