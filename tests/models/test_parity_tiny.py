@@ -9,7 +9,7 @@ from pallas_kernels import cpu_dense
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits
 from tests.tiny_models import load_hf_model
 
-ARCHS = ["llama", "qwen2", "mistral", "mistral-window"]  # (window 8 against prompts up to 100 tokens)
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mistral-window"]  # (window 8 against prompts up to 100 tokens)
 PROMPT_LENS = [1, 5, 16, 17, 31, 40, 64, 100]
 
 
