@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # bump when the folder's contents change, so stale caches are rebuilt
 
 # GGUF general.architecture -> (HF architecture, model_type)
-_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+          "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 # llama.cpp's pre-tokenizer names -> the split regex its vocabulary was trained with (byte-level BPE).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -84,7 +85,7 @@ def write_hf_folder(meta: dict[str, Any], folder: str) -> None:
 
 
 def hf_config_dict(meta: dict[str, Any]) -> dict[str, Any]:
-    """A transformers `config.json` for a Llama-family GGUF (llama, mistral, qwen2)."""
+    """A transformers `config.json` for a Llama-family GGUF (llama, mistral, qwen2, qwen3)."""
     arch = meta["general.architecture"]
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHS))})")

@@ -100,14 +100,17 @@ def load_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
     import gguf
 
     reader = gguf.GGUFReader(path)
+    # llama.cpp permutes q/k rows only where it runs interleaved RoPE (its `llama` architecture, Mistral
+    # included); Qwen2/Qwen3 files keep HF's rotate-half order (NEOX RoPE), as transformers' GGUF reader assumes
+    permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
 
     def loader(t) -> Callable[[], np.ndarray]:
         def load():
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             w = w.reshape(tuple(int(x) for x in reversed(t.shape)))
-            if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = _unpermute_rope(w, cfg.num_heads)
-            elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = _unpermute_rope(w, cfg.num_kv_heads)
             return w
         return load

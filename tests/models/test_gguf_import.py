@@ -160,3 +160,92 @@ def test_eos_lists_end_of_turn_tokens():
 def test_unsupported_gguf_architecture_is_named():
     with pytest.raises(ValueError, match="'phi3'"):
         gguf_import.hf_config_dict({"general.architecture": "phi3", "tensor_names": []})
+
+
+def write_model_gguf(hf_model, path: str, arch: str) -> None:
+    """An HF model as llama.cpp's converter writes it: float32 tensors under GGUF names, q/k rows permuted for
+    interleaved RoPE where the architecture is `llama` (not for qwen2/qwen3, which run rotate-half RoPE), the
+    sentencepiece tokenizer above."""
+    import gguf
+
+    c = hf_model.config
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+
+    def permute(x: np.ndarray, heads: int) -> np.ndarray:  # (llama.cpp's LlamaModel.permute)
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+                       "attention.key_length": d, "attention.value_length": d, "rope.freq_base": float(theta),
+                       "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps)}.items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"{arch}.{key}", value)
+    meta = sentencepiece_metadata()
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias"}
+    for i in range(c.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            x = sd.get(f"model.layers.{i}.{hf_name}")
+            if x is None:
+                continue
+            if arch == "llama" and gguf_name.startswith(("attn_q.", "attn_k.")):
+                x = permute(x, c.num_attention_heads if gguf_name.startswith("attn_q.") else c.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{gguf_name}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tiny,arch", [("llama-tied", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_weights_give_the_hf_models_logits(tmp_path, tiny, arch):
+    """A GGUF written as llama.cpp writes each architecture loads into the same model: llama's q/k rows are
+    un-permuted, qwen2's and qwen3's (rotate-half RoPE in llama.cpp) are not, qwen2's biases and qwen3's q/k
+    norms are read."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from jaxpaged.models import build_model, model_config_from_hf
+    from tests.reference import hf_last_logits, our_last_logits
+    from tests.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(tiny)
+    config.vocab_size = len(sentencepiece_metadata()["tokenizer.ggml.tokens"])
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # (biases and norms away from their zero / one inits, so a misread one shows)
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(torch.randn_like(p) * 0.3)
+    path = str(tmp_path / f"{tiny}.gguf")
+    write_model_gguf(hf, path, arch)
+    if arch != "qwen3":  # (the writer's layout is the one transformers' GGUF reader expects; it reads no Qwen3 here)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                                   dtype=torch.float32).eval()
+        np.testing.assert_array_equal(hf_last_logits(theirs, [5, 9, 30]), hf_last_logits(hf, [5, 9, 30]))
+    cfg = model_config_from_hf(path, registry.load_hf_config(path), "float32")
+    assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    model = build_model(cfg, per_layer=True)
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 40):
+        ids = rng.integers(3, config.vocab_size, size=n).tolist()
+        np.testing.assert_allclose(our_last_logits(model, ids), hf_last_logits(hf, ids), atol=1e-4)
