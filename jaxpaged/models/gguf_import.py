@@ -70,6 +70,9 @@ def read_metadata(path: str) -> dict[str, Any]:
     reader = gguf.GGUFReader(path)
     meta: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     meta["tensor_names"] = [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # (llama.cpp's per-frequency RoPE divisors: Llama 3.1+ scaling)
+            meta["rope_freqs"] = [float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
     return meta
 
 
@@ -121,8 +124,7 @@ def hf_config_dict(meta: dict[str, Any]) -> dict[str, Any]:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     if "rope_freqs.weight" in names:
-        raise ValueError("this GGUF stores its RoPE scaling as a rope_freqs tensor (Llama 3.1 style), which "
-                         "jaxpaged does not read yet: use the model's HF folder instead")
+        config["rope_scaling"] = llama3_rope_scaling(meta.get("rope_freqs"), config["rope_theta"], config["head_dim"])
     for name in ("bos", "eos", "padding", "unknown"):
         token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:
@@ -225,3 +227,42 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
         merges += [(a, b, score) for a, b in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]
+
+
+def _llama3_factors(wavelen, factor: float, low: float, high: float, original: float):
+    """llama.cpp's `rope_freqs` for Llama 3's RoPE scaling (its converter's formula): 1 for short wavelengths,
+    `factor` for long ones, a smooth blend between."""
+    import numpy as np
+
+    smooth = (original / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
+
+
+def llama3_rope_scaling(freq_divisors, theta: float, head_dim: int) -> dict[str, Any]:
+    """The Llama 3 RoPE scaling that gives these per-frequency divisors (a GGUF's `rope_freqs` tensor, which
+    llama.cpp writes instead of the parameters): `factor` is the largest divisor; in the blended band
+    1/divisor is linear in the smoothing s = original/wavelength - low over (high - low), and a line through the
+    band's points fixes original/(high - low) and low/(high - low), so low = 1 loses nothing. Raises
+    ValueError where no such scaling reproduces the tensor."""
+    import numpy as np
+
+    refuse = ValueError("this GGUF's rope_freqs tensor is not a Llama 3 RoPE scaling jaxpaged can read: load the "
+                        "model's HF folder instead")
+    if freq_divisors is None or len(freq_divisors) != head_dim // 2:
+        raise refuse
+    f = np.asarray(freq_divisors, np.float64)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    factor = float(f.max())
+    band = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if factor <= 1 or band.sum() < 2:
+        raise refuse
+    smooth = (1 / f[band] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / wavelen[band], smooth, 1)  # smooth = slope / wavelen + intercept
+    if slope <= 0 or intercept >= 0:
+        raise refuse
+    factor, high, original = round(factor, 4), round(1 - 1 / intercept, 4), int(round(slope / -intercept))
+    if not np.allclose(_llama3_factors(wavelen, factor, 1.0, high, original), f, rtol=1e-4):
+        raise refuse
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+            "original_max_position_embeddings": original}

@@ -192,6 +192,19 @@ def write_model_gguf(hf_model, path: str, arch: str) -> None:
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":  # (llama.cpp's converter: the scaling as per-frequency divisors)
+        factors = []
+        for freq in 1.0 / theta ** (np.arange(0, d, 2) / d):
+            wavelen, old = 2 * np.pi / freq, rope["original_max_position_embeddings"]
+            if wavelen < old / rope["high_freq_factor"]:
+                factors.append(1.0)
+            elif wavelen > old / rope["low_freq_factor"]:
+                factors.append(rope["factor"])
+            else:
+                smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not c.tie_word_embeddings:
         w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -216,7 +229,8 @@ def write_model_gguf(hf_model, path: str, arch: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("tiny,arch", [("llama-tied", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("tiny,arch", [("llama-tied", "llama"), ("llama", "llama"), ("qwen2", "qwen2"),
+                                       ("qwen3", "qwen3")])  # ("llama": Llama 3's RoPE scaling, as rope_freqs)
 def test_gguf_weights_give_the_hf_models_logits(tmp_path, tiny, arch):
     """A GGUF written as llama.cpp writes each architecture loads into the same model: llama's q/k rows are
     un-permuted, qwen2's and qwen3's (rotate-half RoPE in llama.cpp) are not, qwen2's biases and qwen3's q/k
@@ -238,14 +252,32 @@ def test_gguf_weights_give_the_hf_models_logits(tmp_path, tiny, arch):
                 p.add_(torch.randn_like(p) * 0.3)
     path = str(tmp_path / f"{tiny}.gguf")
     write_model_gguf(hf, path, arch)
-    if arch != "qwen3":  # (the writer's layout is the one transformers' GGUF reader expects; it reads no Qwen3 here)
+    if arch != "qwen3" and tiny != "llama":  # (the writer's layout is the one transformers' GGUF reader expects;
+        # it reads no Qwen3 and no rope_freqs here)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
                                                                    dtype=torch.float32).eval()
         np.testing.assert_array_equal(hf_last_logits(theirs, [5, 9, 30]), hf_last_logits(hf, [5, 9, 30]))
     cfg = model_config_from_hf(path, registry.load_hf_config(path), "float32")
     assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    if tiny == "llama":  # (the parameters read back from the divisors)
+        want = {k: config.rope_parameters[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                       "original_max_position_embeddings")}
+        assert {k: cfg.rope_scaling[k] for k in want} == want
     model = build_model(cfg, per_layer=True)
     rng = np.random.default_rng(0)
     for n in (1, 7, 40):
         ids = rng.integers(3, config.vocab_size, size=n).tolist()
         np.testing.assert_allclose(our_last_logits(model, ids), hf_last_logits(hf, ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 / 3.3 and Llama 3.2
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(factor):
+    theta, d = 500000.0, 128
+    wavelen = 2 * np.pi * theta ** (np.arange(0, d, 2) / d)
+    divisors = gguf_import._llama3_factors(wavelen, factor, 1.0, 4.0, 8192).astype(np.float32)
+    assert gguf_import.llama3_rope_scaling(divisors.tolist(), theta, d) == {
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    for bad in ([1.0] * (d // 2), divisors[:-1].tolist(), (divisors * np.linspace(1, 1.5, d // 2)).tolist()):
+        with pytest.raises(ValueError, match="rope_freqs"):
+            gguf_import.llama3_rope_scaling(bad, theta, d)
