@@ -194,15 +194,15 @@ def write_model_gguf(hf_model, path: str, arch: str) -> None:
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     rope = getattr(c, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":  # (llama.cpp's converter: the scaling as per-frequency divisors)
-        factors = []
+        factors, low, high = [], rope["low_freq_factor"], rope["high_freq_factor"]
         for freq in 1.0 / theta ** (np.arange(0, d, 2) / d):
             wavelen, old = 2 * np.pi / freq, rope["original_max_position_embeddings"]
-            if wavelen < old / rope["high_freq_factor"]:
+            if wavelen < old / high:
                 factors.append(1.0)
-            elif wavelen > old / rope["low_freq_factor"]:
+            elif wavelen > old / low:
                 factors.append(rope["factor"])
             else:
-                smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+                smooth = (old / wavelen - low) / (high - low)
                 factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
         w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
