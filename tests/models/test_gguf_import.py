@@ -123,11 +123,19 @@ def write_gguf(path: str, meta: dict) -> None:
     import gguf
 
     w = gguf.GGUFWriter(path, "llama")
-    for key, value in {"llama.block_count": 1, "llama.context_length": 256, "llama.embedding_length": 16,
-                       "llama.feed_forward_length": 32, "llama.attention.head_count": 2,
-                       "llama.attention.head_count_kv": 1, "llama.rope.freq_base": 10000.0,
-                       "llama.attention.layer_norm_rms_epsilon": 1e-5}.items():
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+    add_config_and_tokenizer(w, "llama", {"block_count": 1, "context_length": 256, "embedding_length": 16,
+                                          "feed_forward_length": 32, "attention.head_count": 2,
+                                          "attention.head_count_kv": 1, "rope.freq_base": 10000.0,
+                                          "attention.layer_norm_rms_epsilon": 1e-5}, meta)
+    w.add_tensor("output_norm.weight", np.ones(16, np.float32))
+    finish_gguf(w)
+
+
+def add_config_and_tokenizer(w, arch: str, hparams: dict, meta: dict) -> None:
+    """`{arch}.KEY` hyperparameters (ints as uint32, floats as float32) and the tokenizer `meta` describes, with
+    BOS 1, EOS 2 and UNK 0."""
+    for key, value in hparams.items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"{arch}.{key}", value)
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
     w.add_token_scores(meta["tokenizer.ggml.scores"])
@@ -135,7 +143,9 @@ def write_gguf(path: str, meta: dict) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_tensor("output_norm.weight", np.ones(16, np.float32))
+
+
+def finish_gguf(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -177,23 +187,16 @@ def write_model_gguf(hf_model, path: str, arch: str) -> None:
         return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
     w = gguf.GGUFWriter(path, arch)
-    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
-                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-                       "attention.key_length": d, "attention.value_length": d, "rope.freq_base": float(theta),
-                       "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps)}.items():
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"{arch}.{key}", value)
-    meta = sentencepiece_metadata()
-    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_scores(meta["tokenizer.ggml.scores"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_config_and_tokenizer(w, arch, {
+        "block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": d, "attention.value_length": d, "rope.freq_base": float(theta),
+        "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps)}, sentencepiece_metadata())
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     rope = getattr(c, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "llama3":  # (llama.cpp's converter: the scaling as per-frequency divisors)
+    if rope.get("rope_type") == "llama3":  # (llama.cpp's converter: the scaling as per-frequency divisors; written
+        # out here, not from gguf_import._llama3_factors, so the reader is held to llama.cpp, not to itself)
         factors, low, high = [], rope["low_freq_factor"], rope["high_freq_factor"]
         for freq in 1.0 / theta ** (np.arange(0, d, 2) / d):
             wavelen, old = 2 * np.pi / freq, rope["original_max_position_embeddings"]
@@ -223,10 +226,7 @@ def write_model_gguf(hf_model, path: str, arch: str) -> None:
             if arch == "llama" and gguf_name.startswith(("attn_q.", "attn_k.")):
                 x = permute(x, c.num_attention_heads if gguf_name.startswith("attn_q.") else c.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{gguf_name}", x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("tiny,arch", [("llama-tied", "llama"), ("llama", "llama"), ("qwen2", "qwen2"),
