@@ -8,7 +8,10 @@ The kernel (`top_k_top_p_sampling`) never sorts the vocabulary. It is FlashInfer
 sampling with dual pivots: draw a token from the mass not yet ruled out; the token is in the kept
 set iff fewer than k tokens are more likely and their mass is below p (times the top-k mass); if
 not, every token as unlikely is ruled out too, and so is everything below a second pivot halfway
-to the most likely token when that pivot also fails. A few passes over the row, whatever its length.
+to the most likely token when that pivot also fails. One program per row; each pass over the row
+accumulates per lane with no reduction inside its loop, and the draw of the next round comes from
+the lane sums of the check pass before it plus one column, so a round is one pass. When top-k and
+top-p are both on, the k-th largest logit (for the top-k mass) is found first, 4 pivots a pass.
 The reference (`reference_top_k_top_p_sampling`) sorts each row and masks.
 """
 
@@ -105,107 +108,152 @@ def reference_top_k_top_p_sampling(
 
 
 MAX_ROUNDS = 32  # rejection rounds before falling back to the argmax (always in the kept set)
-_BISECT_ROUNDS = 48  # for the k-th largest logit, when top-k and top-p are both on
+_SEARCH_PASSES = 24  # for the k-th largest logit (top-k and top-p both on): passes of _PIVOTS pivots each
+_PIVOTS = 4
 
 
 def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms_ref, out_ref, *, vocab: int,
                      tile: int):
-    """One row: pl.program_id(0). logits_ref [B, Vp] (padding -inf), uniforms_ref [B, MAX_ROUNDS]."""
+    """One row: pl.program_id(0). logits_ref [B, V], uniforms_ref [B, MAX_ROUNDS].
+
+    Every pass over the row accumulates per lane (a lane: one position of the tile, so tokens j, j + tile, ...)
+    with no reduction inside its loop, and loads the next tile before working on this one; the lanes are reduced
+    once at the end. A draw picks a lane from the lane sums of the previous pass, then the token within that
+    lane's column (one strided load): each rejection round is one pass over the row.
+    """
     row = pl.program_id(0)
-    num_tiles = logits_ref.shape[1] // tile
+    width = logits_ref.shape[1]  # vocab, or padded to a multiple of tile (the interpreter's input)
+    num_tiles = pl.cdiv(vocab, tile)
+    col_len = pl.next_power_of_2(num_tiles)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
     temp = temperature_ref[row]
+    inv_t = 1.0 / jnp.where(temp > 0, temp, 1.0)
 
-    def z_tile(i):  # scaled logits of tile i, the row's max at 0 once m is known
-        return logits_ref[row, pl.ds(i * tile, tile)].astype(jnp.float32) / temp
+    def load_tile(i):  # [tile] scaled logits of tile i (-inf past the vocabulary)
+        if width % tile == 0:  # (a padded row's padding is -inf; the interpreter is slow with masked loads)
+            x = logits_ref[row, pl.ds(i * tile, tile)]
+        else:
+            x = plgpu.load(logits_ref.at[row, pl.ds(i * tile, tile)], mask=i * tile + lane < vocab, other=-jnp.inf)
+        return x.astype(jnp.float32) * inv_t
 
-    def reduce_tiles(fn, init):
-        return jax.lax.fori_loop(0, num_tiles, lambda i, c: fn(z_tile(i), i, c), init)
+    def sweep(fn, init):  # fold fn(z, i, carry) over the tiles, the next tile's load issued first
+        def body(i, c):
+            z, carry = c
+            return load_tile(jnp.minimum(i + 1, num_tiles - 1)), fn(z, i, carry)
+
+        return jax.lax.fori_loop(0, num_tiles, body, (load_tile(0), init))[1]
+
+    def stats(z, i, c):  # per lane: running max, sum of exp below it, first argmax, finite min and count
+        m, s, arg, zmin, nfin = c
+        hi, lo = jnp.maximum(m, z), jnp.minimum(m, z)
+        e = jnp.exp(lo - jnp.where(hi > -jnp.inf, hi, 0.0))  # exp(-|z - m|); 0 while the lane saw only -inf
+        up = z > m
+        finite = z > -jnp.inf
+        return (hi, jnp.where(up, s * e + 1.0, s + e), jnp.where(up, i * tile + lane, arg),
+                jnp.where(finite, jnp.minimum(zmin, z), zmin), nfin + finite.astype(jnp.int32))
+
+    zeros_f, zeros_i = jnp.zeros((tile,), jnp.float32), jnp.zeros((tile,), jnp.int32)
+    m, s, arg, zmin_lane, nfin_lane = sweep(stats, (jnp.full((tile,), -jnp.inf, jnp.float32), zeros_f,
+                                                    jnp.full((tile,), vocab, jnp.int32),
+                                                    jnp.full((tile,), jnp.inf, jnp.float32), zeros_i))
+    zmax = jnp.max(m)
+    argmax = jnp.min(jnp.where(m == zmax, arg, vocab))
+    out_ref[row] = jnp.where(argmax < vocab, argmax, 0)  # greedy rows, and rows whose rounds run out
 
     @pl.when(temp > 0)
     def _():
-        def online(z, _, c):
-            m, s = c
-            m_new = jnp.maximum(m, jnp.max(z))
-            return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new))
-
-        zmax, total = reduce_tiles(online, (jnp.float32(-jnp.inf), jnp.float32(0.0)))
+        lane_w = jnp.where(m > -jnp.inf, s * jnp.exp(jnp.where(m > -jnp.inf, m - zmax, 0.0)), 0.0)  # [tile]
+        total = jnp.sum(lane_w)
         k, p = top_k_ref[row], top_p_ref[row]
+        nfin = jnp.sum(nfin_lane)
         k_on = (k > 0) & (k < vocab)
         k = jnp.where(k_on, k, vocab + 1)
 
-        def weight(z):
-            return jnp.exp(z - zmax)
-
-        def count_ge(t):
-            return reduce_tiles(lambda z, _, c: c + jnp.sum((z >= t).astype(jnp.int32)), jnp.int32(0))
-
-        def top_k_mass():  # bisection on the scaled logit for the k-th largest value; its mass
-            zmin = reduce_tiles(lambda z, _, c: jnp.minimum(c, jnp.min(jnp.where(z > -jnp.inf, z, zmax))), zmax)
-
+        def kth_largest():  # a threshold keeping exactly the k largest (their ties too): pivots per pass
             def cond(c):
-                lo, hi, n, it = c
-                return (n != k) & (it < _BISECT_ROUNDS) & (hi > lo)
+                _, _, _, done, moved, it = c
+                return ~done & moved & (it < _SEARCH_PASSES)
 
             def body(c):
-                lo, hi, n, it = c
-                mid = lo + (hi - lo) / 2
-                c_mid = count_ge(mid)
-                take = c_mid >= k
-                return jnp.where(take, mid, lo), jnp.where(take, hi, mid), jnp.where(take, c_mid, n), it + 1
+                lo, hi, _, _, _, it = c
+                pivots = [lo + (hi - lo) * (j / (_PIVOTS + 1)) for j in range(1, _PIVOTS + 1)]
 
-            lo, _, _, _ = jax.lax.while_loop(cond, body, (zmin, zmax + 1.0, count_ge(zmin), jnp.int32(0)))
-            return reduce_tiles(lambda z, _, c: c + jnp.sum(jnp.where(z >= lo, weight(z), 0.0)), jnp.float32(0.0))
+                def count(z, _, cs):
+                    return tuple(cj + (z >= t).astype(jnp.int32) for cj, t in zip(cs, pivots))
 
-        kept_mass = jax.lax.cond(k_on & (p < 1.0), top_k_mass, lambda: total * 1.0)
-        p_mass = jnp.where(p < 1.0, p * kept_mass, jnp.inf)  # top-p bound on the mass above a kept token
+                counts = [jnp.sum(c) for c in sweep(count, (zeros_i,) * _PIVOTS)]
+                new_lo, new_hi, hit, found = lo, hi, lo, False
+                for t, n in zip(pivots, counts):  # counts fall as pivots rise
+                    new_lo = jnp.where(n >= k, jnp.maximum(new_lo, t), new_lo)
+                    new_hi = jnp.where(n < k, jnp.minimum(new_hi, t), new_hi)
+                    hit = jnp.where(~found & (n == k), t, hit)
+                    found = found | (n == k)
+                return (new_lo, new_hi, hit, found, (new_lo != lo) | (new_hi != hi), it + 1)
 
-        def draw(low, mass, r):  # inverse CDF over tokens with z > low
-            target = uniforms_ref[row, r] * mass
+            lo0 = jnp.min(zmin_lane)
+            hi0 = zmax + jnp.maximum(1.0, jnp.abs(zmax) * 1e-3)  # above every logit: count 0 < k
+            lo, _, hit, found, _, _ = jax.lax.while_loop(cond, body, (lo0, hi0, lo0, False, True, jnp.int32(0)))
+            return jnp.where(found, hit, lo)  # (not found: lo holds the k-th value and its ties)
 
-            def step(z, i, c):
-                acc, tok = c
-                w = jnp.where(z > low, weight(z), 0.0)
-                cdf = acc + jnp.cumsum(w)
-                end = jnp.max(cdf)  # the tile's last cdf value (cdf is non-decreasing)
-                inside = (tok < 0) & (end >= target)
-                j = jnp.minimum(jnp.sum((cdf < target).astype(jnp.int32)), tile - 1)
-                return end, jnp.where(inside, i * tile + j, tok)
+        search = k_on & (p < 1.0) & (nfin > k)
+        t_k = jnp.where(search, jax.lax.cond(search, kth_largest, lambda: zmax), -jnp.inf)  # (Triton: no literal
+        # branch results)
 
-            _, tok = reduce_tiles(step, (jnp.float32(0.0), jnp.int32(-1)))
-            return tok
+        def draw(lane_mass, low, r):  # inverse CDF over tokens with z > low, lanes first; -1 if none
+            cum = jnp.cumsum(lane_mass)
+            target = uniforms_ref[row, r] * jnp.max(cum)
+            j = jnp.minimum(jnp.sum((cum < target).astype(jnp.int32)), tile - 1)
+            before = jnp.sum(jnp.where(lane == j - 1, cum, 0.0))
+            idx = jax.lax.broadcasted_iota(jnp.int32, (col_len,), 0)
+            pos = j + idx * tile
+            col = logits_ref[row, jnp.minimum(pos, width - 1)].astype(jnp.float32) * inv_t
+            col = jnp.where(pos < vocab, col, -jnp.inf)  # [col_len]: lane j's column
+            w = jnp.where(col > low, jnp.exp(col - zmax), 0.0)
+            last = jnp.max(jnp.where(w > 0, idx, -1))
+            i = jnp.minimum(jnp.sum((before + jnp.cumsum(w) < target).astype(jnp.int32)), last)
+            return jnp.where(i >= 0, j + i * tile, -1), jnp.max(jnp.where(idx == i, col, -jnp.inf))
 
-        def aggregate(p0, p1):  # count and mass strictly above each pivot
+        def aggregate(p0, p1):  # per pivot, count and lane masses strictly above; the top-k mass
             def step(z, _, c):
-                c0, s0, c1, s1 = c
-                w = weight(z)
+                c0, l0, c1, l1, mk = c
+                w = jnp.exp(z - zmax)
                 a0, a1 = z > p0, z > p1
-                return (c0 + jnp.sum(a0.astype(jnp.int32)), s0 + jnp.sum(jnp.where(a0, w, 0.0)),
-                        c1 + jnp.sum(a1.astype(jnp.int32)), s1 + jnp.sum(jnp.where(a1, w, 0.0)))
+                return (c0 + a0.astype(jnp.int32), l0 + jnp.where(a0, w, 0.0), c1 + a1.astype(jnp.int32),
+                        l1 + jnp.where(a1, w, 0.0), mk + jnp.where(z >= t_k, w, 0.0))
 
-            return reduce_tiles(step, (jnp.int32(0), jnp.float32(0.0), jnp.int32(0), jnp.float32(0.0)))
+            c0, l0, c1, l1, mk = sweep(step, (zeros_i, zeros_f, zeros_i, zeros_f, zeros_f))
+            return jnp.sum(c0), l0, jnp.sum(c1), l1, jnp.sum(mk)
+
+        check = k_on | (p < 1.0)  # (neither: the first draw is kept)
 
         def cond(c):
-            _, _, _, tok, done, r = c
+            _, _, _, _, done, r = c
             return (~done) & (r < MAX_ROUNDS)
 
         def body(c):
-            low, high, mass, _, _, r = c
-            tok = draw(low, mass, r)
+            low, high, lane_mass, _, _, r = c
+            tok, z_tok = draw(lane_mass, low, r)
             ok = tok >= 0
-            z_tok = jnp.where(ok, logits_ref[row, jnp.maximum(tok, 0)].astype(jnp.float32) / temp, high)
+            z_tok = jnp.where(ok, z_tok, high)
             pivot1 = (z_tok + high) / 2
-            c0, s0, c1, s1 = aggregate(z_tok, pivot1)
+            c0, l0, c1, l1, mk = jax.lax.cond(check & ok, aggregate, lambda *_: (
+                nfin * 0, lane_mass * 0.0, nfin * 0, lane_mass * 0.0, total * 0.0), z_tok, pivot1)
+            s0, s1 = jnp.sum(l0), jnp.sum(l1)
+            p_mass = jnp.where(p < 1.0, p * mk, jnp.inf)  # top-p bound on the mass above a kept token
             accept = ok & (c0 < k) & (s0 < p_mass)
             mid_ok = (c1 < k) & (s1 < p_mass)
             narrow = ok & ~accept  # (no token drawn, when rounding put the target past the row's sum: redraw)
             low = jnp.where(narrow, jnp.where(mid_ok, z_tok, pivot1), low)
             high = jnp.where(narrow & mid_ok, pivot1, high)
-            mass = jnp.where(narrow, jnp.where(mid_ok, s0, s1), mass)
-            return low, high, mass, tok, accept, r + 1
+            lane_mass = jnp.where(narrow, jnp.where(mid_ok, l0, l1), lane_mass)
+            return low, high, lane_mass, tok, accept, r + 1
 
-        init = (jnp.float32(-jnp.inf), zmax, total, jnp.int32(-1), False, jnp.int32(0))
+        init = (jnp.float32(-jnp.inf), zmax, lane_w, jnp.int32(-1), False, jnp.int32(0))
         _, _, _, tok, done, _ = jax.lax.while_loop(cond, body, init)
-        out_ref[row] = jnp.where(done, tok, -1)  # -1: take the argmax (rounds exhausted)
+
+        @pl.when(done)
+        def _():
+            out_ref[row] = tok
 
 
 def top_k_top_p_sampling(
@@ -216,7 +264,7 @@ def top_k_top_p_sampling(
     top_p: Float[Array, "B"],
     *,
     tile: int = 4096,
-    num_warps: int = 8,
+    num_warps: int = 16,
     interpret: bool = False,
 ) -> Int[Array, "B"]:
     """One token per row from the top-k/top-p filtered distribution, without sorting (Pallas, Triton).
@@ -226,10 +274,9 @@ def top_k_top_p_sampling(
       key: one PRNG key (rows draw independently) or one key per row [B, 2] / [B] typed keys.
       temperature: [B]; <= 0 means greedy (argmax). top_k: [B] int, 0 or >= V is off.
       top_p: [B] in (0, 1], 1 is off.
-      tile: vocabulary elements per pass step (a power of two; smaller for small V). num_warps: per row.
-        The defaults were the fastest measured on an H200 (2026-12-04, 64 rows: 2.0-2.6x faster than 1,024 and
-        4 at V=49k and 128k; each pass is a loop of steps ending in block-wide reductions, so fewer, wider steps
-        pay).
+      tile: lanes, vocabulary elements per step of a pass (a power of two; smaller for small V). num_warps: per
+        row. The defaults were the fastest measured on an H200 (2026-12-04, 64 rows of 49k and 128k logits,
+        against 2,048-8,192 lanes and 4-32 warps: README).
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [B] int32 token ids.
     """
@@ -244,16 +291,15 @@ def top_k_top_p_sampling(
 def _top_k_top_p_sampling(logits, keys, temperature, top_k, top_p, *, tile, num_warps, interpret):
     b, v = logits.shape
     tile = min(tile, pl.next_power_of_2(v))
-    padded = jnp.pad(logits, ((0, 0), (0, (-v) % tile)), constant_values=-jnp.inf)
     uniforms = jax.vmap(lambda k: 1.0 - jax.random.uniform(k, (MAX_ROUNDS,), jnp.float32))(keys)  # (0, 1]
     kernel = functools.partial(_sampling_kernel, vocab=v, tile=tile)
-    drawn = pl.pallas_call(
+    if interpret:  # (masked loads are slow in the interpreter; on a GPU they cost nothing, a padded copy does)
+        logits = jnp.pad(logits, ((0, 0), (0, (-v) % tile)), constant_values=-jnp.inf)
+    return pl.pallas_call(
         kernel,
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct((b,), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="top_k_top_p_rejection_sampling",
-    )(padded, temperature.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32), uniforms)
-    greedy = first_argmax(logits)
-    return jnp.where((temperature > 0) & (drawn >= 0), drawn, greedy)
+    )(logits, temperature.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32), uniforms)

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="also run the engine with the attention variant the tuning found fastest, where it is not "
                         "the default (+70 s; with --with-tune)")
     p.add_argument("--with-functional", action="store_true", help="also time functional.generate (+50 s)")
+    p.add_argument("--no-hf", action="store_true",
+                   help="skip the HF transformers stage (-100 s; where its number is already on record)")
     p.add_argument("--with-profile", action="store_true",
                    help="also trace the engine on a short run with the JAX profiler (+80 s; DIR/profile)")
     ns = p.parse_args(argv)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          ("kernels_sampling_tune", ns.with_tune),
                          ("jaxpaged_tuned_seqs256", ns.with_tune and ns.with_tuned_engine),  # (this run's tuning)
                          ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync),
-                         ("jaxpaged_profile", ns.with_profile)):
+                         ("jaxpaged_profile", ns.with_profile), ("hf_static_bs256", not ns.no_hf)):
         if not wanted:
             del stages[name]
     rows = []

@@ -73,6 +73,29 @@ def test_ties_at_the_top_k_boundary_are_kept(k, p):
     assert_draws_follow(draw(np.tile(logits, (N, 1)), 1.0, k, p, tile=32), want / want.sum())
 
 
+def test_kth_largest_search_and_greedy_rows_over_many_tiles():
+    """Rows of 3,000 logits in 47 tiles: top-k in the hundreds with top-p (the k-th largest found by pivot passes),
+    ties at the k-th value, greedy rows whose largest value is tied (the first index wins, as argmax), and a
+    vocabulary that is not a multiple of the tile. No draw leaves the reference's kept set."""
+    rng = np.random.default_rng(11)
+    rows, vocab = 64, 3000
+    logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 4, size=(rows, 1))).astype(np.float32)
+    logits[1::8] = np.round(logits[1::8])  # many ties
+    logits[2::8, [5, 900, 2999]] = 50.0  # a tied maximum
+    temp = np.where(np.arange(rows) % 4 == 2, 0.0, rng.uniform(0.5, 1.5, rows)).astype(np.float32)
+    k = rng.choice([0, 1, 7, 300, 2999, 5000], rows).astype(np.int32)
+    p = rng.choice([1.0, 0.5, 0.9, 0.99], rows).astype(np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(2), rows)
+    tok = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, jnp.asarray(temp), jnp.asarray(k),
+                                          jnp.asarray(p), tile=64, interpret=True))
+    scaled = logits / np.where(temp > 0, temp, 1.0)[:, None]
+    kept = np.asarray(top_k_top_p_mask(jnp.asarray(scaled), jnp.asarray(k), jnp.asarray(p))) > -np.inf
+    greedy = temp <= 0
+    np.testing.assert_array_equal(tok[greedy], logits[greedy].argmax(axis=1))
+    assert kept[np.arange(rows), tok].all()
+    assert len(set(tok[~greedy & (k == 0) & (p == 1.0)])) > 1  # (sampled rows do sample)
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="top_p"):
         top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2), jnp.zeros(2, jnp.int32),
