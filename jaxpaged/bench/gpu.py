@@ -14,7 +14,7 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
      kernel's tuned defaults on sm90, and the sampler's tile / num_warps variants;
   4. jaxpaged `LLM.generate`: 1,024 prompts of random ids (16-512 tokens), 128 greedy tokens each, EOS ignored,
      bf16, max_num_seqs 256 (async scheduling, the default);
-  5. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts;
+  5. HF transformers static batching (bs 256, sdpa, bf16) on the same prompts and token counts (--no-hf: not);
   6. with --with-tuned-engine, where the tuning found a Triton variant faster than the tuned default at the
      model's head_dim (64): stage 4 again with that variant ($JAXPAGED_PALLAS_ATTENTION);
   7. with --with-functional: `jaxpaged bench functional`, `functional.generate` against `LLM.generate`, 64
