@@ -11,7 +11,8 @@ not, every token as unlikely is ruled out too, and so is everything below a seco
 to the most likely token when that pivot also fails. One program per row; each pass over the row
 accumulates per lane with no reduction inside its loop, and the draw of the next round comes from
 the lane sums of the check pass before it plus one column, so a round is one pass. When top-k and
-top-p are both on, the k-th largest logit (for the top-k mass) is found first, 4 pivots a pass.
+top-p are both on, the k-th largest logit (for the top-k mass) is found first, 4 pivots a pass
+around a guess interpolated from the counts at the bracket's ends.
 The reference (`reference_top_k_top_p_sampling`) sorts each row and masks.
 """
 
@@ -108,8 +109,8 @@ def reference_top_k_top_p_sampling(
 
 
 MAX_ROUNDS = 32  # rejection rounds before falling back to the argmax (always in the kept set)
-_SEARCH_PASSES = 24  # for the k-th largest logit (top-k and top-p both on): passes of _PIVOTS pivots each
-_PIVOTS = 4
+_SEARCH_PASSES = 40  # for the k-th largest logit (top-k and top-p both on): 4 pivots a pass, the bracket at
+_GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either side of an interpolated guess
 
 
 def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms_ref, out_ref, *, vocab: int,
@@ -169,30 +170,41 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
         k_on = (k > 0) & (k < vocab)
         k = jnp.where(k_on, k, vocab + 1)
 
-        def kth_largest():  # a threshold keeping exactly the k largest (their ties too): pivots per pass
+        def kth_largest():  # a threshold keeping exactly the k largest (their ties too): 4 pivots a pass
             def cond(c):
-                _, _, _, done, moved, it = c
+                *_, done, moved, it = c
                 return ~done & moved & (it < _SEARCH_PASSES)
 
-            def body(c):
-                lo, hi, _, _, _, it = c
-                pivots = [lo + (hi - lo) * (j / (_PIVOTS + 1)) for j in range(1, _PIVOTS + 1)]
+            def body(c):  # count(lo) >= k > count(hi) throughout
+                lo, hi, c_lo, c_hi, _, _, _, it = c
+                # Where log(count) would cross log(k) were it linear in the logit between lo and hi (a tail's
+                # counts fall about exponentially): two pivots close around it, two halfway to each end (so the
+                # bracket at least halves however wrong the guess).
+                guess = (jnp.log(c_lo) - jnp.log(k.astype(jnp.float32))) / (
+                    jnp.log(c_lo) - jnp.log(jnp.maximum(c_hi, 0.5)))
+                guess = jnp.clip(guess, 2 * _GUESS_WIDTH, 1 - 2 * _GUESS_WIDTH)
+                fractions = (guess / 2, guess - _GUESS_WIDTH, guess + _GUESS_WIDTH, (1 + guess) / 2)
+                pivots = [lo + (hi - lo) * fr for fr in fractions]
 
                 def count(z, _, cs):
                     return tuple(cj + (z >= t).astype(jnp.int32) for cj, t in zip(cs, pivots))
 
-                counts = [jnp.sum(c) for c in sweep(count, (zeros_i,) * _PIVOTS)]
-                new_lo, new_hi, hit, found = lo, hi, lo, False
-                for t, n in zip(pivots, counts):  # counts fall as pivots rise
-                    new_lo = jnp.where(n >= k, jnp.maximum(new_lo, t), new_lo)
-                    new_hi = jnp.where(n < k, jnp.minimum(new_hi, t), new_hi)
+                counts = [jnp.sum(c) for c in sweep(count, (zeros_i,) * len(pivots))]
+                new_lo, new_hi, new_c_lo, new_c_hi, hit, found = lo, hi, c_lo, c_hi, lo, False
+                for t, n in zip(pivots, counts):  # (the pivots in any order)
+                    up, down = (n >= k) & (t > new_lo), (n < k) & (t < new_hi)
+                    new_lo, new_c_lo = jnp.where(up, t, new_lo), jnp.where(up, n.astype(jnp.float32), new_c_lo)
+                    new_hi, new_c_hi = jnp.where(down, t, new_hi), jnp.where(down, n.astype(jnp.float32), new_c_hi)
                     hit = jnp.where(~found & (n == k), t, hit)
                     found = found | (n == k)
-                return (new_lo, new_hi, hit, found, (new_lo != lo) | (new_hi != hi), it + 1)
+                moved = (new_lo != lo) | (new_hi != hi)
+                return new_lo, new_hi, new_c_lo, new_c_hi, hit, found, moved, it + 1
 
             lo0 = jnp.min(zmin_lane)
             hi0 = zmax + jnp.maximum(1.0, jnp.abs(zmax) * 1e-3)  # above every logit: count 0 < k
-            lo, _, hit, found, _, _ = jax.lax.while_loop(cond, body, (lo0, hi0, lo0, False, True, jnp.int32(0)))
+            init = (lo0, hi0, nfin.astype(jnp.float32), nfin.astype(jnp.float32) * 0.0, lo0, False, True,
+                    jnp.int32(0))
+            lo, _, _, _, hit, found, _, _ = jax.lax.while_loop(cond, body, init)
             return jnp.where(found, hit, lo)  # (not found: lo holds the k-th value and its ties)
 
         search = k_on & (p < 1.0) & (nfin > k)
