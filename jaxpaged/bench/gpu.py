@@ -24,6 +24,9 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
      --output-dir/profile, summed up in profile_summary.json by `trace_summary`: where a step's time goes on
      the device, kernel by kernel, and on the host; on an H200 the engine took 12.7 ms a step where its host
      work is ~0.7 ms, `jaxpaged bench host`).
+ 10. with --with-step-variants: stage 4 with the layers as a Python loop ($JAXPAGED_LAYER_LAYOUT=per_layer), and
+     with XLA's conditionals and while loops recorded into its CUDA graphs (XLA_FLAGS), against the profile of
+     2026-12-04 (the host waiting in a conditional, the layer scan's loop).
 Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
 and `gpu_bench.json` under --output-dir.
 """
@@ -44,6 +47,16 @@ STAGES = {  # name -> (time limit in seconds, smoke time limit), in the order th
     "jaxpaged_tuned_seqs256": (70, 300),  # with --with-tuned-engine, when a variant beat the default
     "functional": (50, 300), "jaxpaged_sync_seqs256": (60, 300),  # with --with-functional / --with-sync only
     "jaxpaged_profile": (80, 300),  # with --with-profile only
+    "jaxpaged_per_layer_seqs256": (70, 300), "jaxpaged_cb_seqs256": (70, 300),  # with --with-step-variants only
+}
+
+# stage -> environment of the engine variants timed by --with-step-variants (an H200 profile, 2026-12-04: per
+# step, the host waits ~5 ms in one XLA conditional and runs the stacked layers' scan as a while loop of one
+# command buffer per layer, 145 small device-to-device copies a step beside it)
+STEP_VARIANTS = {
+    "jaxpaged_per_layer_seqs256": {"JAXPAGED_LAYER_LAYOUT": "per_layer"},  # a Python loop over the layers
+    "jaxpaged_cb_seqs256": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"},  # (2026-12-04:
+    # greedy +4.6%, sampled +1.7%, one pair each)
 }
 
 
@@ -82,6 +95,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--with-functional", action="store_true", help="also time functional.generate (+50 s)")
     p.add_argument("--no-hf", action="store_true",
                    help="skip the HF transformers stage (-100 s; where its number is already on record)")
+    p.add_argument("--with-step-variants", action="store_true",
+                   help="also run the engine with its layers as a Python loop, and with XLA's conditionals and "
+                        "while loops in its CUDA graphs (+140 s)")
     p.add_argument("--with-profile", action="store_true",
                    help="also trace the engine on a short run with the JAX profiler (+80 s; DIR/profile)")
     ns = p.parse_args(argv)
@@ -110,6 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                     if ns.smoke else ["--num-prompts", "64"])],
         "jaxpaged_sync_seqs256": _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype,
                                                                        "--no-async-scheduling"]),
+        **{name: _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype])
+           for name in STEP_VARIANTS},
         "jaxpaged_profile": _throughput_cmd(model, "", ns, extra=[
             "--max-num-seqs", "256", "--dtype", dtype, "--profile-dir", os.path.join(ns.output_dir, "profile")]),
     }
@@ -121,7 +139,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          ("kernels_sampling_tune", ns.with_tune),
                          ("jaxpaged_tuned_seqs256", ns.with_tune and ns.with_tuned_engine),  # (this run's tuning)
                          ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync),
-                         ("jaxpaged_profile", ns.with_profile), ("hf_static_bs256", not ns.no_hf)):
+                         ("jaxpaged_profile", ns.with_profile), ("hf_static_bs256", not ns.no_hf),
+                         *((name, ns.with_step_variants) for name in STEP_VARIANTS)):
         if not wanted:
             del stages[name]
     rows = []
@@ -142,6 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             env = {**os.environ, "JAXPAGED_PALLAS_ATTENTION": variant}
+        elif name in STEP_VARIANTS:
+            env = {**os.environ, **STEP_VARIANTS[name]}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
@@ -152,7 +173,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(os.path.join(ns.output_dir, f"{name}.log"), "w") as f:
             f.write(log)
         row = {"stage": name, "status": status, "stage_s": round(time.perf_counter() - t0, 1),
-               **({"variant": env["JAXPAGED_PALLAS_ATTENTION"]} if env else {})}
+               **({"variant": env["JAXPAGED_PALLAS_ATTENTION"]} if name == "jaxpaged_tuned_seqs256" else
+                  {"variant": STEP_VARIANTS[name]} if name in STEP_VARIANTS else {})}
         if status == "ok" and name == "functional":
             engine, functional = json.load(open(out))
             row.update(output_tok_s=round(functional["output_tokens_per_s"], 1), wall_s=round(functional["wall_s"], 2),

@@ -10,6 +10,7 @@ place, out.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import jax
@@ -183,20 +184,33 @@ TIED_HEAD_COPY_MAX_BYTES = 256 << 20
 PACKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
+LAYOUT_ENV = "JAXPAGED_LAYER_LAYOUT"  # "per_layer" or "stacked": overrides the backend's default layout
+
+
+def default_per_layer() -> bool:
+    """Whether layers default to one weight dict each (CPU) or stacked under `lax.scan` (elsewhere), unless
+    $JAXPAGED_LAYER_LAYOUT names one: on a GPU the scan is an XLA while loop, one command buffer per layer and
+    its carries copied (an H200 profile, 2026-12-04), which the per-layer loop may avoid; there to time both."""
+    layout = os.environ.get(LAYOUT_ENV, "")
+    if layout not in ("", "per_layer", "stacked"):
+        raise ValueError(f"${LAYOUT_ENV} must be 'per_layer' or 'stacked', got {layout!r}")
+    return layout == "per_layer" if layout else jax.default_backend() == "cpu"
+
+
 def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
                  mesh=None, packed: bool = False) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
 
     q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
     "w_gate_up" (in one group per device of `mesh`: `_fuse`). per_layer=False: params["layers"] is a dict of
-    [L, ...] arrays; True: a list of L dicts; None: per layer on CPU, stacked elsewhere (see the module
-    docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
+    [L, ...] arrays; True: a list of L dicts; None: `default_per_layer()` (per layer on CPU, stacked elsewhere;
+    see the module docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
     (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: float32 per-layer weights
     (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`cpu_dense.pack`, [N / panel,
     K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them every step.
     """
     if per_layer is None:
-        per_layer = jax.default_backend() == "cpu"
+        per_layer = default_per_layer()
     expected = param_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     if missing:
