@@ -120,7 +120,7 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
     Every pass over the row accumulates per lane (a lane: one position of the tile, so tokens j, j + tile, ...)
     with no reduction inside its loop, and loads the next tile before working on this one; the lanes are reduced
     once at the end. A draw picks a lane from the lane sums of the previous pass, then the token within that
-    lane's column (one strided load): each rejection round is one pass over the row.
+    lane's column (one gathered load of V / tile logits): each rejection round is one pass over the row.
     """
     row = pl.program_id(0)
     width = logits_ref.shape[1]  # vocab, or padded to a multiple of tile (the interpreter's input)
