@@ -48,6 +48,7 @@ def compare_offload(engine_args: EngineArgs, prefix: list[int], suffix_len: int,
         extra = ({"kv_offload_host_gb": host_gb} if name == "host tier"  # room for the prefix and both fillers
                  else {"kv_offload_dir": folder} if name.startswith("disk") else {})
         llm = LLM(**vars(dataclasses.replace(base, **extra)))
+        llm.engine.wait_for_steps()  # (a step still loading in the background would be in the first TTFT)
         host_gb = host_gb or 4 * llm.engine.core.runner.kv_pool.nbytes / 2**30
         cold = None
         if name != "disk tier after restart":

@@ -40,15 +40,6 @@ def summarize(backend: str, reqs: list[BenchRequest], wall: float, warmup: float
 STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}}
 
 
-def wait_for_steps(llm) -> None:
-    """Wait for the steps the step cache still loads in the background after warmup, so that the timed run
-    neither compiles beside itself nor waits for a bucket's first load (they count in warmup_s instead)."""
-    for core in llm.engine.core.replicas:
-        runner = getattr(core, "runner", None)
-        if runner is not None:
-            runner.wait_for_steps()
-
-
 def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
                  temperature: float = 1.0, structured_fraction: float = 0.0, profile_dir: str | None = None) -> dict:
     """Generate the workload with `LLM.generate` (EOS ignored, n samples each); the first `structured_fraction`
@@ -62,7 +53,7 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
 
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
-    wait_for_steps(llm)
+    llm.engine.wait_for_steps()  # (the step cache's background loads: in warmup, not the timed run)
     warmup = time.perf_counter() - t0
     constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, n=n,
@@ -108,7 +99,7 @@ def run_beam_search(reqs: list[BenchRequest], engine_args: EngineArgs, width: in
 
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
-    wait_for_steps(llm)
+    llm.engine.wait_for_steps()  # (the step cache's background loads: in warmup, not the timed run)
     warmup = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.beam_search([r.prompt_token_ids for r in reqs],
