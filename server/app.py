@@ -89,17 +89,9 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await state.read_json(request)
     tok = state.engine.tokenizer
     if "messages" in body:
-        from server.chat import parse_messages
+        from server.chat import parse_messages, render_chat
 
-        try:
-            ids = list(tok.apply_chat_template(
-                parse_messages(body), tokenize=True, return_dict=True,
-                add_generation_prompt=get_field(body, "add_generation_prompt", (bool,), True),
-                continue_final_message=get_field(body, "continue_final_message", (bool,), False))["input_ids"])
-        except APIError:
-            raise
-        except Exception as e:  # a template that rejects this conversation
-            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        ids, _ = render_chat(tok, parse_messages(body), body)  # (as /v1/chat/completions renders them)
         if get_field(body, "add_special_tokens", (bool,), False):
             ids = tok.build_inputs_with_special_tokens(ids)
     else:

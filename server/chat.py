@@ -41,6 +41,33 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
+# apply_chat_template's own arguments: not settable through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_dict", "return_tensors", "padding",
+                             "truncation", "max_length", "tokenizer_kwargs", "chat_template", "tools"}
+
+
+def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
+    """The prompt's token ids and the reply's role, under vLLM's chat options: `add_generation_prompt` (default
+    true; when false the reply continues in the last message's role), `continue_final_message` (the last
+    message is left open and the reply extends it) and `chat_template_kwargs` (extra template variables, e.g.
+    Qwen3's `enable_thinking`)."""
+    add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
+    continue_final = get_field(body, "continue_final_message", (bool,), False)
+    if add_generation_prompt and continue_final:
+        raise APIError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                       param="continue_final_message")
+    extra = get_field(body, "chat_template_kwargs", (dict,), None) or {}
+    if bad := sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS):
+        raise APIError(f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs")
+    kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final, **extra}
+    try:
+        prompt = list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+    except Exception as e:  # a template that rejects this conversation
+        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+    role = "assistant" if kwargs["add_generation_prompt"] else messages[-1]["role"]
+    return prompt, role
+
+
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
@@ -48,12 +75,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body)
     params = sampling_params_from(body, default_max_tokens=None, chat=True)
     state.check_n(params.n)
-    tok = state.engine.tokenizer
-    try:
-        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
-    except Exception as e:  # a template that rejects this conversation
-        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+    prompt, role = render_chat(state.engine.tokenizer, messages, body)
+    # echo (vLLM's): the reply starts with the last message's content when that message has the reply's role
+    echo = messages[-1]["content"] if get_field(body, "echo", (bool,), False) and messages[-1]["role"] == role else ""
     prompt = params.truncated(prompt, state.max_model_len)
     state.check_length(len(prompt), params.max_tokens, where="messages")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
@@ -80,8 +104,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if sse:
             await sse.start()
             for j in range(n):
-                await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                await sse.send(chunk([{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None,
                                        "finish_reason": None}]))
+            if echo:
+                for j in range(n):
+                    await sse.send(chunk([{"index": j, "delta": {"content": echo}, "logprobs": None,
+                                           "finish_reason": None}]))
         async for _, out in outputs:
             choices = []
             for o in out.outputs:
@@ -103,7 +131,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
-    choices = [{"index": j, "message": {"role": "assistant", "content": texts[j]},
+    choices = [{"index": j, "message": {"role": role, "content": echo + texts[j]},
                 "logprobs": chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids) if params.logprobs is not None else None,
                 "finish_reason": finish[j], "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -63,11 +63,9 @@ _UNSUPPORTED = {
 }
 
 
-def reject_unsupported(body: dict, *, chat: bool = False) -> None:
+def reject_unsupported(body: dict) -> None:
     """A 400 naming the first field that asks for something jaxpaged cannot do (an absent, null, false or
     empty field asks for nothing; tool_choice 'none' and response_format 'text' are the defaults)."""
-    if chat and body.get("echo"):
-        raise APIError("'echo' is not supported on chat completions", param="echo")
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], {}, ""):
             raise APIError(message, param=name)
@@ -130,7 +128,7 @@ def structured_outputs_from(body: dict) -> StructuredOutputsParams | None:
 
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    reject_unsupported(body, chat=chat)
+    reject_unsupported(body)
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", (int,), default_max_tokens)

@@ -131,10 +131,27 @@ def test_prompt_logprobs_field_beside_echo(live_server, hf_prompt_logprobs):
     np.testing.assert_allclose(got, hf_prompt_logprobs(ids), atol=2e-4)
 
 
-def test_chat_echo_is_refused(live_server):
-    r = post(live_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "echo": True},
-             status=400)
-    assert r["error"]["param"] == "echo"
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_prepends_the_last_message_of_the_replys_role(live_server, stream):
+    """vLLM's chat `echo`: the reply starts with the last message's content when it has the reply's role (an
+    assistant message continued with `continue_final_message`); a user's last message is not echoed."""
+    def reply(messages, **extra):
+        body = {"messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2, **extra}
+        if not stream:
+            return [c["message"]["content"] for c in post(live_server, "/v1/chat/completions", body)["choices"]]
+        texts = ["", ""]
+        for ch in post(live_server, "/v1/chat/completions", {**body, "stream": True}):
+            for c in ch["choices"]:
+                texts[c["index"]] += c["delta"].get("content") or ""
+        return texts
+
+    user = [{"role": "user", "content": "w1 w2"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    partial = user + [{"role": "assistant", "content": "w7 w8"}]
+    plain = reply(partial, **cont)
+    echoed = reply(partial, echo=True, **cont)
+    assert echoed == ["w7 w8" + t for t in plain] and plain[0]
+    assert reply(user, echo=True) == reply(user)
 
 
 def test_tokenize_options(live_server):

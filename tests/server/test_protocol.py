@@ -160,11 +160,39 @@ def test_bad_constraints_name_their_field(body, param, needle):
     assert e.status == 400 and e.param == param and needle in e.message
 
 
-def test_echo_only_on_completions():
-    reject_unsupported({"echo": True})
-    e = error_of(reject_unsupported, {"echo": True}, chat=True)
-    assert e.param == "echo" and "chat" in e.message
-    reject_unsupported({"echo": False}, chat=True)
+class _TemplateTokenizer:
+    """apply_chat_template's signature and the kwargs it was given, as the rendered "ids"."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, messages, *, tokenize, return_dict, add_generation_prompt=True,
+                            continue_final_message=False, **extra):
+        self.calls.append(dict(add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, **extra))
+        if extra.get("fail"):
+            raise ValueError("no such conversation")
+        return {"input_ids": [len(messages), int(add_generation_prompt), int(continue_final_message)]}
+
+
+def test_chat_template_options_reach_the_template():
+    from server.chat import render_chat
+
+    tok, msgs = _TemplateTokenizer(), [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert render_chat(tok, msgs, {}) == ([2, 1, 0], "assistant")
+    assert render_chat(tok, msgs, {"add_generation_prompt": False, "continue_final_message": True}) == (
+        [2, 0, 1], "assistant")
+    assert render_chat(tok, msgs[:1], {"add_generation_prompt": False}) == ([1, 0, 0], "user")  # (vLLM's role)
+    render_chat(tok, msgs, {"chat_template_kwargs": {"enable_thinking": False}})
+    assert tok.calls[-1] == {"add_generation_prompt": True, "continue_final_message": False,
+                             "enable_thinking": False}
+    for body, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+                        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                        ({"chat_template_kwargs": {"fail": True}}, "messages")):
+        e = error_of(render_chat, tok, msgs, body)
+        assert e.status == 400 and e.param == param
 
 
 def test_usage():
