@@ -77,6 +77,13 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+async def version(request: web.Request) -> web.Response:
+    """vLLM's /version: the server's package version."""
+    from jaxpaged import __version__
+
+    return web.json_response({"version": __version__})
+
+
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     return web.Response(body=state.engine.engine.metrics.render(),
@@ -147,6 +154,9 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # (vLLM's alias, as SageMaker probes it)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 
+import jaxpaged
 from jaxpaged import LLM, SamplingParams
 from tests.server.conftest import API_KEY, ENGINE_ARGS
 
@@ -27,6 +28,11 @@ def test_models_health_metrics(live_server):
         async with aiohttp.ClientSession() as s:
             async with s.get(live_server.base_url + "/health") as r:
                 assert r.status == 200
+            for method in (s.get, s.post):
+                async with method(live_server.base_url + "/ping") as r:
+                    assert r.status == 200
+            async with s.get(live_server.base_url + "/version") as r:
+                assert (await r.json())["version"] == jaxpaged.__version__
             async with s.get(live_server.base_url + "/metrics") as r:
                 return await r.text()
     text = asyncio.run(raw())
