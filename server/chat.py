@@ -13,6 +13,7 @@ from server.protocol import (
     new_id,
     now,
     sampling_params_from,
+    stream_usage,
 )
 from server.state import STATE, TENANT
 from server.streaming import SSEWriter, generate_all
@@ -86,7 +87,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         params.max_tokens = state.max_model_len - len(prompt)
     rid, created = new_id("chatcmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
-    include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    include_usage, continuous_usage = stream_usage(body)
     n, k = params.n, params.logprobs or 0
     as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
     texts, finish, stop_reasons = [""] * n, [None] * n, [None] * n
@@ -97,6 +98,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     def chunk(choices, obj="chat.completion.chunk"):
         return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
 
+    def choice_chunk(choice: dict) -> dict:  # one choice per chunk, as vLLM and OpenAI send them
+        payload = chunk([choice])
+        if continuous_usage:  # (vLLM's continuous_usage_stats: the choice's usage so far)
+            payload["usage"] = Usage(len(prompt), len(tokens[choice["index"]])).to_dict()
+        return payload
+
     async with generate_all(state.engine, [prompt], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
                             limits=state.limits) as outputs:
@@ -104,12 +111,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if sse:
             await sse.start()
             for j in range(n):
-                await sse.send(chunk([{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None,
-                                       "finish_reason": None}]))
+                await sse.send(choice_chunk({"index": j, "delta": {"role": role, "content": ""}, "logprobs": None,
+                                             "finish_reason": None}))
             if echo:
                 for j in range(n):
-                    await sse.send(chunk([{"index": j, "delta": {"content": echo}, "logprobs": None,
-                                           "finish_reason": None}]))
+                    await sse.send(choice_chunk({"index": j, "delta": {"content": echo}, "logprobs": None,
+                                                 "finish_reason": None}))
         async for _, out in outputs:
             choices = []
             for o in out.outputs:
@@ -124,8 +131,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
             if sse:
-                for choice in choices:  # one choice per chunk, as vLLM and OpenAI send them
-                    await sse.send(chunk([choice]))
+                for choice in choices:
+                    await sse.send(choice_chunk(choice))
     usage = Usage(len(prompt), completion_tokens)
     if sse:
         if include_usage:

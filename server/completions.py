@@ -16,6 +16,7 @@ from server.protocol import (
     now,
     prompt_logprobs_json,
     sampling_params_from,
+    stream_usage,
 )
 from server.state import STATE, TENANT
 from server.streaming import SSEWriter, generate_all
@@ -88,7 +89,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         await pull_blocks(state, request, source, [p.token_ids for p in prompts])
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
-    include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    include_usage, continuous_usage = stream_usage(body)
     n = params.n
     # Choice index = prompt index * n + sample index (vLLM's order).
     texts = [""] * (len(prompts) * n)
@@ -98,6 +99,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompt_lps: list = [None] * len(prompts)  # the engine's entries, per prompt
     started = [False] * len(texts)
     offsets = [0] * len(texts)  # where the next token's text starts: the echo, then the tokens' texts so far
+    choice_tokens = [0] * len(texts)
     completion_tokens = 0
 
     def chunk(choices):
@@ -135,6 +137,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     offsets[c] = len(prefix)
                 started[c] = True
                 completion_tokens += len(token_ids)
+                choice_tokens[c] += len(token_ids)
                 if o.logprobs is not None:
                     entries = o.logprobs[: len(token_ids)]
                     # (offsets count the tokens' texts, not the text sent so far, which may hold back a partial
@@ -148,8 +151,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 texts[c] += text
                 finish[c], stop_reasons[c] = o.finish_reason, o.stop_reason
                 if sse:
-                    await sse.send(chunk([{"index": c, "text": prefix + text, "logprobs": lp,
-                                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]))
+                    payload = chunk([{"index": c, "text": prefix + text, "logprobs": lp,
+                                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+                    if continuous_usage:
+                        payload["usage"] = Usage(len(prompts[i].token_ids), choice_tokens[c]).to_dict()
+                    await sse.send(payload)
     usage = Usage(sum(len(p.token_ids) for p in prompts), completion_tokens)
     if sse:
         if include_usage:

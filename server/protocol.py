@@ -60,6 +60,7 @@ _UNSUPPORTED = {
     "tools": "tool calling ('tools') is not supported",
     "functions": "function calling ('functions') is not supported",
     "function_call": "function calling ('function_call') is not supported",
+    "use_beam_search": "beam search is not supported by the server ('use_beam_search'; offline: LLM.beam_search)",
 }
 
 
@@ -164,6 +165,14 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bo
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=param if param in kwargs else None) from None
+
+
+def stream_usage(body: dict) -> tuple[bool, bool]:
+    """From `stream_options`: include_usage (a last chunk with the request's usage) and vLLM's
+    continuous_usage_stats (with include_usage: every chunk also carries its choice's usage so far)."""
+    options = get_field(body, "stream_options", (dict,), {}) or {}
+    include = bool(options.get("include_usage"))
+    return include, include and bool(options.get("continuous_usage_stats"))
 
 
 @dataclass

@@ -67,6 +67,37 @@ def test_streaming_matches_non_streaming(live_server):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(live_server, path):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far (prompt
+    tokens, tokens generated for that choice), the last chunk the request's; without include_usage, none."""
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True,
+            "stream": True, **({"prompt": PROMPT} if "chat" not in path else
+                               {"messages": [{"role": "user", "content": PROMPT}]})}
+
+    def chunks(options):
+        async def go():
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+                async with s.post(live_server.base_url + path, json={**body, "stream_options": options}) as r:
+                    assert r.status == 200
+                    lines = [ln.strip() for ln in (await r.text()).splitlines() if ln.strip()]
+            return [json.loads(ln[len("data: "):]) for ln in lines if ln != "data: [DONE]"]
+        return asyncio.run(go())
+
+    got = chunks({"include_usage": True, "continuous_usage_stats": True})
+    *per_choice, last = got
+    prompt_tokens = last["usage"]["prompt_tokens"]
+    seen = {0: 0, 1: 0}
+    for ch in per_choice:
+        (choice,) = ch["choices"]
+        u = ch["usage"]
+        assert u["prompt_tokens"] == prompt_tokens and u["total_tokens"] == prompt_tokens + u["completion_tokens"]
+        assert u["completion_tokens"] >= seen[choice["index"]]
+        seen[choice["index"]] = u["completion_tokens"]
+    assert seen == {0: 5, 1: 5} and last["usage"]["completion_tokens"] == 10 and last["choices"] == []
+    assert all("usage" not in ch for ch in chunks({"continuous_usage_stats": True}))
+
+
 def test_stop_string(live_server):
     c = client(live_server)
     base = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,

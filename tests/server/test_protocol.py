@@ -99,7 +99,7 @@ def test_bad_sampling_values_name_their_field(body, param):
     ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"),
+    ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"), ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_unsupported_fields_are_rejected_by_name(body, param):
     if param is None:  # an empty value asks for nothing
@@ -110,8 +110,9 @@ def test_unsupported_fields_are_rejected_by_name(body, param):
 
 
 @pytest.mark.parametrize("body", [
-    {}, {"echo": False}, {"suffix": ""}, {"tools": []}, {"tools": None}, {"response_format": {"type": "text"}},
-    {"tool_choice": "none"}, {"tool_choice": "auto"}, {"best_of": 1}, {"best_of": 2, "n": 2},
+    {}, {"echo": False}, {"suffix": ""}, {"use_beam_search": False}, {"tools": []}, {"tools": None},
+    {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"best_of": 1},
+    {"best_of": 2, "n": 2},
     {"best_of": None}, {"n": None, "best_of": 1},
 ])
 def test_defaults_of_unsupported_fields_are_accepted(body):
