@@ -99,8 +99,6 @@ async def tokenize(request: web.Request) -> web.Response:
         from server.chat import parse_messages, render_chat
 
         ids, _ = render_chat(tok, parse_messages(body), body)  # (as /v1/chat/completions renders them)
-        if get_field(body, "add_special_tokens", (bool,), False):
-            ids = tok.build_inputs_with_special_tokens(ids)
     else:
         ids = tok.encode(get_field(body, "prompt", (str,)),
                          add_special_tokens=get_field(body, "add_special_tokens", (bool,), True))

@@ -50,8 +50,10 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_dic
 def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     """The prompt's token ids and the reply's role, under vLLM's chat options: `add_generation_prompt` (default
     true; when false the reply continues in the last message's role), `continue_final_message` (the last
-    message is left open and the reply extends it) and `chat_template_kwargs` (extra template variables, e.g.
-    Qwen3's `enable_thinking`)."""
+    message is left open and the reply extends it), `chat_template_kwargs` (extra template variables, e.g.
+    Qwen3's `enable_thinking`), `chat_template` (this request's Jinja template instead of the tokenizer's),
+    `documents` (for templates that take them) and `add_special_tokens` (the tokenizer's, e.g. BOS, on top of
+    the template's; default false)."""
     add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
     continue_final = get_field(body, "continue_final_message", (bool,), False)
     if add_generation_prompt and continue_final:
@@ -61,10 +63,16 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     if bad := sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS):
         raise APIError(f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs")
     kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final, **extra}
+    if (template := get_field(body, "chat_template", (str,), None)) is not None:
+        kwargs["chat_template"] = template
+    if (documents := get_field(body, "documents", (list,), None)) is not None:
+        kwargs["documents"] = documents
     try:
         prompt = list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+    if get_field(body, "add_special_tokens", (bool,), False):
+        prompt = list(tok.build_inputs_with_special_tokens(prompt))
     role = "assistant" if kwargs["add_generation_prompt"] else messages[-1]["role"]
     return prompt, role
 

@@ -31,6 +31,7 @@ class Prompt:
 def parse_prompts(body: dict, tokenizer) -> list[Prompt]:
     """str | list[str] | list[int] | list[list[int]] -> prompts."""
     prompt = get_field(body, "prompt", (str, list))
+    special = get_field(body, "add_special_tokens", (bool,), True)  # (vLLM's: e.g. BOS in front of a text)
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -44,7 +45,7 @@ def parse_prompts(body: dict, tokenizer) -> list[Prompt]:
         if isinstance(p, str):
             if not p:
                 raise APIError("'prompt' must not be empty", param="prompt")
-            out.append(Prompt(tokenizer.encode(p, add_special_tokens=True), p))
+            out.append(Prompt(tokenizer.encode(p, add_special_tokens=special), p))
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             out.append(Prompt(list(p), None))
         else:

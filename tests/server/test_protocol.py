@@ -175,6 +175,12 @@ class _TemplateTokenizer:
             raise ValueError("no such conversation")
         return {"input_ids": [len(messages), int(add_generation_prompt), int(continue_final_message)]}
 
+    def build_inputs_with_special_tokens(self, ids):
+        return [-1, *ids]
+
+    def encode(self, text, add_special_tokens):
+        return [-1] * add_special_tokens + [len(text)]
+
 
 def test_chat_template_options_reach_the_template():
     from server.chat import render_chat
@@ -187,10 +193,14 @@ def test_chat_template_options_reach_the_template():
     render_chat(tok, msgs, {"chat_template_kwargs": {"enable_thinking": False}})
     assert tok.calls[-1] == {"add_generation_prompt": True, "continue_final_message": False,
                              "enable_thinking": False}
+    render_chat(tok, msgs, {"chat_template": "{{ messages }}", "documents": [{"text": "d"}]})
+    assert tok.calls[-1]["chat_template"] == "{{ messages }}" and tok.calls[-1]["documents"] == [{"text": "d"}]
+    assert render_chat(tok, msgs, {"add_special_tokens": True})[0] == [-1, 2, 1, 0]
     for body, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                        ({"chat_template": 5}, "chat_template"), ({"documents": "d"}, "documents"),
                         ({"chat_template_kwargs": {"fail": True}}, "messages")):
         e = error_of(render_chat, tok, msgs, body)
         assert e.status == 400 and e.param == param
@@ -234,3 +244,11 @@ def test_prompt_logprobs_json():
     assert prompt_logprobs_json(None) is None
     got = prompt_logprobs_json([None, {4: Logprob(-math.inf, 7, "x")}])
     assert got == [None, {"4": {"logprob": -9999.0, "rank": 7, "decoded_token": "x"}}]
+
+
+def test_completion_prompts_take_add_special_tokens():
+    from server.completions import parse_prompts
+
+    tok = _TemplateTokenizer()
+    assert [p.token_ids for p in parse_prompts({"prompt": ["ab", [7, 8]]}, tok)] == [[-1, 2], [7, 8]]
+    assert parse_prompts({"prompt": "ab", "add_special_tokens": False}, tok)[0].token_ids == [2]
