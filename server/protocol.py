@@ -61,6 +61,9 @@ _UNSUPPORTED = {
     "functions": "function calling ('functions') is not supported",
     "function_call": "function calling ('function_call') is not supported",
     "use_beam_search": "beam search is not supported by the server ('use_beam_search'; offline: LLM.beam_search)",
+    "cache_salt": "'cache_salt' (a prefix cache of its own) is not supported",
+    "prompt_embeds": "'prompt_embeds' is not supported",
+    "logits_processors": "custom 'logits_processors' are not supported",
 }
 
 

@@ -100,6 +100,8 @@ def test_bad_sampling_values_name_their_field(body, param):
     ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"cache_salt": "tenant-a"}, "cache_salt"), ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])
 def test_unsupported_fields_are_rejected_by_name(body, param):
     if param is None:  # an empty value asks for nothing
