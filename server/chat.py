@@ -54,15 +54,16 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     Qwen3's `enable_thinking`), `chat_template` (this request's Jinja template instead of the tokenizer's),
     `documents` (for templates that take them) and `add_special_tokens` (the tokenizer's, e.g. BOS, on top of
     the template's; default false)."""
-    add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
-    continue_final = get_field(body, "continue_final_message", (bool,), False)
-    if add_generation_prompt and continue_final:
-        raise APIError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
-                       param="continue_final_message")
     extra = get_field(body, "chat_template_kwargs", (dict,), None) or {}
     if bad := sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS):
         raise APIError(f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs")
-    kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final, **extra}
+    kwargs = {"add_generation_prompt": get_field(body, "add_generation_prompt", (bool,), True),
+              "continue_final_message": get_field(body, "continue_final_message", (bool,), False),
+              **extra}  # (as vLLM: chat_template_kwargs may set those two as well)
+    if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+        raise APIError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                       param="chat_template_kwargs" if {"add_generation_prompt", "continue_final_message"} & set(extra)
+                       else "continue_final_message")
     if (template := get_field(body, "chat_template", (str,), None)) is not None:
         kwargs["chat_template"] = template
     if (documents := get_field(body, "documents", (list,), None)) is not None:
@@ -147,6 +148,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
     choices = [{"index": j, "message": {"role": role, "content": echo + texts[j]},
-                "logprobs": chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids) if params.logprobs is not None else None,
+                "logprobs": (chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids)
+                             if params.logprobs is not None else None),
                 "finish_reason": finish[j], "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -203,6 +203,7 @@ def test_chat_template_options_reach_the_template():
                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
                         ({"chat_template": 5}, "chat_template"), ({"documents": "d"}, "documents"),
+                        ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": {"fail": True}}, "messages")):
         e = error_of(render_chat, tok, msgs, body)
         assert e.status == 400 and e.param == param
