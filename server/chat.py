@@ -35,7 +35,7 @@ def parse_messages(body: dict) -> list[dict]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise APIError("only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # (as vLLM joins text parts)
         if not isinstance(content, str):
             raise APIError("message 'content' must be a string or a list of text parts", param="messages")
         out.append({"role": m["role"], "content": content})
@@ -51,9 +51,12 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     """The prompt's token ids and the reply's role, under vLLM's chat options: `add_generation_prompt` (default
     true; when false the reply continues in the last message's role), `continue_final_message` (the last
     message is left open and the reply extends it), `chat_template_kwargs` (extra template variables, e.g.
-    Qwen3's `enable_thinking`), `chat_template` (this request's Jinja template instead of the tokenizer's),
-    `documents` (for templates that take them) and `add_special_tokens` (the tokenizer's, e.g. BOS, on top of
-    the template's; default false)."""
+    Qwen3's `enable_thinking`), `documents` (for templates that take them) and `add_special_tokens` (the
+    tokenizer's, e.g. BOS, on top of the template's; default false). A request's own `chat_template` is a 400,
+    as in vLLM unless its server is told to trust them (a template runs the client's code in the server)."""
+    if body.get("chat_template") is not None:
+        raise APIError("a chat template passed with the request is not accepted (the server's is used)",
+                       param="chat_template")
     extra = get_field(body, "chat_template_kwargs", (dict,), None) or {}
     if bad := sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS):
         raise APIError(f"chat_template_kwargs may not set {bad[0]!r}", param="chat_template_kwargs")
@@ -64,18 +67,21 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
         raise APIError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
                        param="chat_template_kwargs" if {"add_generation_prompt", "continue_final_message"} & set(extra)
                        else "continue_final_message")
-    if (template := get_field(body, "chat_template", (str,), None)) is not None:
-        kwargs["chat_template"] = template
     if (documents := get_field(body, "documents", (list,), None)) is not None:
+        if not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+            raise APIError("'documents' must be a list of objects of strings", param="documents")
         kwargs["documents"] = documents
+    special = get_field(body, "add_special_tokens", (bool,), False)
     try:
-        prompt = list(tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+        if special:  # (vLLM's way: the rendered text, tokenized with the tokenizer's special tokens)
+            prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=True)
+        else:
+            prompt = tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
     except Exception as e:  # a template that rejects this conversation
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
-    if get_field(body, "add_special_tokens", (bool,), False):
-        prompt = list(tok.build_inputs_with_special_tokens(prompt))
-    role = "assistant" if kwargs["add_generation_prompt"] else messages[-1]["role"]
-    return prompt, role
+    # the reply's role follows the field itself, not chat_template_kwargs (vLLM's get_chat_request_role)
+    role = "assistant" if get_field(body, "add_generation_prompt", (bool,), True) else messages[-1]["role"]
+    return list(prompt), role
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -162,6 +162,10 @@ def test_tokenize_options(live_server):
     assert without["token_strs"] == ["w5", "w6"] and without["max_model_len"] == 256
     chat = post(live_server, "/tokenize", {"messages": [{"role": "user", "content": "w5 w6"}]})
     assert chat["count"] == len(chat["tokens"]) >= 2
+    # (vLLM's: the rendered text tokenized with the tokenizer's special tokens; this one adds none)
+    chat_special = post(live_server, "/tokenize", {"messages": [{"role": "user", "content": "w5 w6"}],
+                                                   "add_special_tokens": True})
+    assert chat_special["tokens"] == chat["tokens"]
     assert post(live_server, "/detokenize", {"tokens": without["tokens"]})["prompt"] == "w5 w6"
     bad = post(live_server, "/tokenize", {"prompt": 5}, status=400)
     assert bad["error"]["param"] == "prompt"

@@ -169,16 +169,14 @@ class _TemplateTokenizer:
     def __init__(self):
         self.calls = []
 
-    def apply_chat_template(self, messages, *, tokenize, return_dict, add_generation_prompt=True,
+    def apply_chat_template(self, messages, *, tokenize, return_dict=False, add_generation_prompt=True,
                             continue_final_message=False, **extra):
         self.calls.append(dict(add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, **extra))
         if extra.get("fail"):
             raise ValueError("no such conversation")
-        return {"input_ids": [len(messages), int(add_generation_prompt), int(continue_final_message)]}
-
-    def build_inputs_with_special_tokens(self, ids):
-        return [-1, *ids]
+        ids = [len(messages), int(add_generation_prompt), int(continue_final_message)]
+        return {"input_ids": ids} if tokenize else "x" * sum(ids)
 
     def encode(self, text, add_special_tokens):
         return [-1] * add_special_tokens + [len(text)]
@@ -195,14 +193,17 @@ def test_chat_template_options_reach_the_template():
     render_chat(tok, msgs, {"chat_template_kwargs": {"enable_thinking": False}})
     assert tok.calls[-1] == {"add_generation_prompt": True, "continue_final_message": False,
                              "enable_thinking": False}
-    render_chat(tok, msgs, {"chat_template": "{{ messages }}", "documents": [{"text": "d"}]})
-    assert tok.calls[-1]["chat_template"] == "{{ messages }}" and tok.calls[-1]["documents"] == [{"text": "d"}]
-    assert render_chat(tok, msgs, {"add_special_tokens": True})[0] == [-1, 2, 1, 0]
+    render_chat(tok, msgs, {"documents": [{"title": "t", "text": "d"}]})
+    assert tok.calls[-1]["documents"] == [{"title": "t", "text": "d"}]
+    assert render_chat(tok, msgs, {"add_special_tokens": True})[0] == [-1, 3]  # (the text, tokenized with them)
+    # the role follows the field, not chat_template_kwargs (vLLM's get_chat_request_role)
+    assert render_chat(tok, msgs[:1], {"chat_template_kwargs": {"add_generation_prompt": False}})[1] == "assistant"
     for body, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
-                        ({"chat_template": 5}, "chat_template"), ({"documents": "d"}, "documents"),
+                        ({"chat_template": "{{ messages }}"}, "chat_template"), ({"documents": "d"}, "documents"),
+                        ({"documents": [1]}, "documents"), ({"documents": [{"text": 2}]}, "documents"),
                         ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": {"fail": True}}, "messages")):
         e = error_of(render_chat, tok, msgs, body)
