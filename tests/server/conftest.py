@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -48,6 +50,21 @@ class LiveServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.engine.shutdown()
+
+
+def post(server, path: str, body: dict, status: int = 200):
+    """The JSON answer, or for a stream the list of chunk payloads before [DONE]."""
+    async def go():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+            async with s.post(server.base_url + path, json=body) as r:
+                raw = (await r.read()).decode()
+                assert r.status == status, raw
+        if not body.get("stream") or status != 200:
+            return json.loads(raw)
+        events = [e[6:] for e in raw.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+    return asyncio.run(go())
 
 
 @contextlib.contextmanager

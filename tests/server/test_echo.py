@@ -3,32 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-
-import aiohttp
 import numpy as np
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import post
 from tests.tiny_models import load_hf_model
 
 PROMPT = "w5 w6 w7 w8 w9 w10"
-
-
-def post(server, path: str, body: dict, status: int = 200):
-    """The JSON answer, or for a stream the list of chunk payloads before [DONE]."""
-    async def go():
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
-            async with s.post(server.base_url + path, json=body) as r:
-                raw = (await r.read()).decode()
-                assert r.status == status, raw
-        if not body.get("stream") or status != 200:
-            return json.loads(raw)
-        events = [e[6:] for e in raw.split("\n\n") if e]
-        assert events[-1] == "[DONE]"
-        return [json.loads(e) for e in events[:-1]]
-    return asyncio.run(go())
 
 
 def tokenize(server, text: str) -> list[int]:

@@ -11,7 +11,7 @@ import pytest
 
 import jaxpaged
 from jaxpaged import LLM, SamplingParams
-from tests.server.conftest import API_KEY, ENGINE_ARGS
+from tests.server.conftest import API_KEY, ENGINE_ARGS, post
 
 PROMPT = "w5 w6 w7 w8 w9"
 
@@ -76,13 +76,7 @@ def test_continuous_usage_stats(live_server, path):
                                {"messages": [{"role": "user", "content": PROMPT}]})}
 
     def chunks(options):
-        async def go():
-            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
-                async with s.post(live_server.base_url + path, json={**body, "stream_options": options}) as r:
-                    assert r.status == 200
-                    lines = [ln.strip() for ln in (await r.text()).splitlines() if ln.strip()]
-            return [json.loads(ln[len("data: "):]) for ln in lines if ln != "data: [DONE]"]
-        return asyncio.run(go())
+        return post(live_server, path, {**body, "stream_options": options})
 
     got = chunks({"include_usage": True, "continuous_usage_stats": True})
     *per_choice, last = got
