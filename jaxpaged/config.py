@@ -46,6 +46,34 @@ class ModelConfig:
     # with float32 output runs its fast path.
     activation_dtype: str | None = None
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    # variations of the Llama block other families make (registry.model_config_from_hf reads them)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu", "gelu" (erf) or "gelu_tanh"
+    norm_offset: float = 0.0  # RMSNorms scale by (offset + weight), in float32 (Gemma: 1)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden), Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Granite: attention_multiplier)
+    logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    rotary_dim: int | None = None  # leading head dims RoPE rotates (partial_rotary_factor); None: head_dim
+    # mixture of experts (Mixtral, Qwen2/3-MoE): each layer's MLP is num_experts expert MLPs of
+    # moe_intermediate_size, num_experts_per_tok of them per token; 0: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalized to sum 1
+    shared_expert: bool = False  # (Qwen2-MoE) the dense MLP runs beside the experts, gated by sigmoid(x @ shared_gate)
+
+    @property
+    def dense_mlp(self) -> bool:
+        """Whether layers carry the dense MLP weights (w_gate, w_up, w_down): dense models and shared experts."""
+        return not self.num_experts or self.shared_expert
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def compute_dtype(self) -> str:

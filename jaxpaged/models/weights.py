@@ -5,8 +5,10 @@ Both produce {our name: numpy array}, matmul weights as [in, out] and layers sta
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +27,16 @@ _HF_LAYER = {
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
+    # mixture of experts: the router (Mixtral's block_sparse_moe.gate, Qwen-MoE's mlp.gate) and Qwen2-MoE's
+    # shared expert (the dense MLP's names) with its sigmoid gate; the experts themselves: `_HF_EXPERT`
+    "block_sparse_moe.gate.weight": ("router", True), "mlp.gate.weight": ("router", True),
+    "mlp.shared_expert.gate_proj.weight": ("w_gate", True), "mlp.shared_expert.up_proj.weight": ("w_up", True),
+    "mlp.shared_expert.down_proj.weight": ("w_down", True), "mlp.shared_expert_gate.weight": ("shared_gate", True),
 }
+# "<prefix>.experts.<j>.<name>.weight" -> our stacked [L, X, in, out] name (Mixtral's w1/w3/w2, Qwen-MoE's)
+_HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_NAMES = {"gate_proj": "we_gate", "w1": "we_gate", "up_proj": "we_up", "w3": "we_up", "down_proj": "we_down",
+                 "w2": "we_down"}
 _HF_GLOBAL = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
               "lm_head.weight": ("lm_head", True)}
 
@@ -46,6 +57,7 @@ def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: 
     """Collect (name, loader) pairs into our tree, stacking per-layer tensors."""
     out: dict[str, np.ndarray] = {}
     per_layer: dict[str, list] = {}
+    experts: dict[str, list[list]] = {}  # our name -> [layer][expert]
     for name, load in items:
         if name in global_map:
             ours, transpose = global_map[name]
@@ -55,6 +67,13 @@ def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: 
         if not name.startswith(layer_prefix):
             continue
         idx_str, _, rest = name[len(layer_prefix):].partition(".")
+        if (m := _HF_EXPERT.fullmatch(rest)) and m.group(2) in _EXPERT_NAMES and cfg.num_experts:
+            if int(m.group(1)) >= cfg.num_experts:
+                raise ValueError(f"checkpoint has {name} but the config has {cfg.num_experts} experts")
+            grid = experts.setdefault(_EXPERT_NAMES[m.group(2)],
+                                      [[None] * cfg.num_experts for _ in range(cfg.num_layers)])
+            grid[int(idx_str)][int(m.group(1))] = load().T
+            continue
         if rest not in layer_map:
             continue
         ours, transpose = layer_map[rest]
@@ -65,6 +84,10 @@ def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: 
         if any(s is None for s in slots):
             raise ValueError(f"checkpoint lacks {ours} for some layers")
         out["layers." + ours] = np.stack(slots)
+    for ours, grid in experts.items():
+        if any(s is None for row in grid for s in row):
+            raise ValueError(f"checkpoint lacks {ours} for some layers' experts")
+        out["layers." + ours] = np.stack([np.stack(row) for row in grid])
     if cfg.tie_word_embeddings:
         out.pop("lm_head", None)
     elif "lm_head" not in out:
@@ -84,9 +107,41 @@ def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndar
     def items():
         for h in handles:
             for name in h.keys():
-                yield name, (lambda h=h, name=name: np.asarray(h.get_tensor(name)))
+                load = lambda h=h, name=name: np.asarray(h.get_tensor(name))  # noqa: E731
+                yield from _split_fused(cfg, name, load)
 
     return _stack_layers(cfg, items(), _HF_LAYER, _HF_GLOBAL, "model.layers.")
+
+
+# Checkpoints with fused projections (Phi-3): their [out, in] rows split into the separate tensors' names.
+_FUSED_HF = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _split_fused(cfg: ModelConfig, name: str, load: Callable[[], np.ndarray]):
+    """(name, loader) pairs for one checkpoint tensor: itself, or a fused projection's parts (q | k | v rows,
+    gate | up rows), each loading the whole tensor and slicing its rows."""
+    stem, _, kind = name.rpartition(".")
+    fused = next((f for f in _FUSED_HF if stem.endswith("." + f)), None)
+    if fused is None:
+        yield name, load
+        return
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = (q, kv, kv) if fused == "self_attn.qkv_proj" else (cfg.intermediate_size, cfg.intermediate_size)
+    starts = np.cumsum((0,) + sizes)
+    prefix = stem[:-len(fused)]
+    whole = functools.cache(load)  # (read once for all its parts)
+
+    def part_loader(lo: int, hi: int) -> Callable[[], np.ndarray]:
+        def load_part():
+            w = whole()
+            if w.shape[0] != starts[-1]:
+                raise ValueError(f"{name} has {w.shape[0]} rows, the config needs {starts[-1]}")
+            return w[lo:hi]
+        return load_part
+
+    for part, lo, hi in zip(_FUSED_HF[fused], starts[:-1], starts[1:]):
+        yield f"{prefix}{part}.{kind}", part_loader(int(lo), int(hi))
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:

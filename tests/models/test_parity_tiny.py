@@ -10,6 +10,10 @@ from tests.reference import hf_greedy, hf_last_logits, our_last_logits
 from tests.tiny_models import load_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mistral-window"]  # (window 8 against prompts up to 100 tokens)
+# the families that differ from Llama in ModelConfig fields: Gemma (norm offset, GELU, embedding scale), Granite
+# (multipliers), Phi-3 (fused checkpoint tensors, partial rotary; LongRoPE), YaRN RoPE, experts
+VARIANT_ARCHS = ["gemma", "granite", "phi3", "phi3-longrope", "qwen2-yarn",
+                 "mixtral", "qwen3-moe", "qwen2-moe"]  # mixtures of experts (Qwen2-MoE: with a shared expert)
 PROMPT_LENS = [1, 5, 16, 17, 31, 40, 64, 100]
 
 
@@ -19,7 +23,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "stacked", "packed"])  # CPU and GPU weight layouts; packed: the
-@pytest.mark.parametrize("arch", ARCHS)                                 # CPU kernels' (dense on packed weights)
+@pytest.mark.parametrize("arch", ARCHS + VARIANT_ARCHS)               # CPU kernels' (dense on packed weights)
 def test_last_position_logits_match_hf(arch, tiny_model_dir, layout):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
@@ -54,8 +58,9 @@ def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir, monkeyp
     assert "lm_head" not in build_model(cfg, per_layer=True).params()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,async_scheduling", [(a, s) for a in ARCHS for s in (True, False)]
+                         + [(a, True) for a in VARIANT_ARCHS],
+                         ids=lambda x: {True: "async", False: "sync"}.get(x, x) if isinstance(x, bool) else x)
 def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir, async_scheduling):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
