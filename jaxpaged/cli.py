@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-pull-from", default=None, metavar="URL[,URL]",
                      help="with --kv-role consumer: prefill instances on other hosts this server may pull KV blocks "
                      "from when a request names one in kv_transfer_params (serve-disagg does) (default: none)")
+    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage objects carry prompt_tokens_details.cached_tokens: the prompt tokens found in the "
+                     "prefix cache (vLLM's flag; default: off)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 

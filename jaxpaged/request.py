@@ -40,6 +40,8 @@ class Request:
     prompt: str | None = None
     priority: int = 0
     tenant: str | None = None  # (a server with tenants) whose KV share it counts against
+    cache_salt: str | None = None  # mixed into its first block's hash: only requests with the same salt share blocks
+    num_cached_tokens: int = -1  # prompt tokens found cached (device, host or disk) when first scheduled; -1 before
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens scheduled so far (counted when scheduled, before the step runs)
@@ -141,3 +143,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled (vLLM's)

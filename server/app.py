@@ -143,11 +143,13 @@ async def kv_transfer(request: web.Request) -> web.Response:
 
 
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
-               tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None) -> web.Application:
+               tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
+               prompt_tokens_details: bool = False) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
-    tenant's limits (jaxpaged/tenants.py); `api_key` is then also accepted, without limits."""
+    tenant's limits (jaxpaged/tenants.py); `api_key` is then also accepted, without limits. prompt_tokens_details:
+    usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's --enable-prompt-tokens-details)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from)
+    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)

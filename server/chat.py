@@ -8,6 +8,7 @@ from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
     Usage,
+    cache_salt_from,
     chat_logprobs,
     get_field,
     new_id,
@@ -91,13 +92,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body)
     params = sampling_params_from(body, default_max_tokens=None, chat=True)
     state.check_n(params.n)
+    cache_salt = cache_salt_from(body)
     prompt, role = render_chat(state.engine.tokenizer, messages, body)
     # echo (vLLM's): the reply starts with the last message's content when that message has the reply's role
     echo = messages[-1]["content"] if get_field(body, "echo", (bool,), False) and messages[-1]["role"] == role else ""
     prompt = params.truncated(prompt, state.max_model_len)
     state.check_length(len(prompt), params.max_tokens, where="messages")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
-        await pull_blocks(state, request, source, [prompt])
+        await pull_blocks(state, request, source, [prompt], cache_salt)
     if params.max_tokens is None:
         params.max_tokens = state.max_model_len - len(prompt)
     rid, created = new_id("chatcmpl"), now()
@@ -109,6 +111,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     logprobs: list[list] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     completion_tokens = 0
+    cached = None  # prompt tokens found in the prefix cache
+
+    def cached_tokens() -> int | None:
+        return (cached or 0) if state.prompt_tokens_details else None
 
     def chunk(choices, obj="chat.completion.chunk"):
         return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
@@ -116,12 +122,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     def choice_chunk(choice: dict) -> dict:  # one choice per chunk, as vLLM and OpenAI send them
         payload = chunk([choice])
         if continuous_usage:  # (vLLM's continuous_usage_stats: the choice's usage so far)
-            payload["usage"] = Usage(len(prompt), len(tokens[choice["index"]])).to_dict()
+            payload["usage"] = Usage(len(prompt), len(tokens[choice["index"]]), cached_tokens()).to_dict()
         return payload
 
     async with generate_all(state.engine, [prompt], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
-                            limits=state.limits) as outputs:
+                            limits=state.limits, cache_salt=cache_salt) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()
@@ -133,6 +139,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     await sse.send(choice_chunk({"index": j, "delta": {"content": echo}, "logprobs": None,
                                                  "finish_reason": None}))
         async for _, out in outputs:
+            if out.num_cached_tokens is not None and cached is None:
+                cached = out.num_cached_tokens
             choices = []
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
@@ -148,7 +156,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             if sse:
                 for choice in choices:
                     await sse.send(choice_chunk(choice))
-    usage = Usage(len(prompt), completion_tokens)
+    usage = Usage(len(prompt), completion_tokens, cached_tokens())
     if sse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})

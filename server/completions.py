@@ -10,6 +10,7 @@ from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
     Usage,
+    cache_salt_from,
     completion_logprobs,
     get_field,
     new_id,
@@ -80,6 +81,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine_body, only_prompt = echo_request(body)
     params = sampling_params_from(engine_body, default_max_tokens=16)
     state.check_n(params.n)
+    cache_salt = cache_salt_from(body)
     as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
     tok = state.engine.tokenizer
     prompts = [p if (ids := params.truncated(p.token_ids, state.max_model_len)) is p.token_ids else Prompt(ids, None)
@@ -87,7 +89,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     for p in prompts:
         state.check_length(len(p.token_ids), params.max_tokens, where="prompt")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
-        await pull_blocks(state, request, source, [p.token_ids for p in prompts])
+        await pull_blocks(state, request, source, [p.token_ids for p in prompts], cache_salt)
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage, continuous_usage = stream_usage(body)
@@ -102,6 +104,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     offsets = [0] * len(texts)  # where the next token's text starts: the echo, then the tokens' texts so far
     choice_tokens = [0] * len(texts)
     completion_tokens = 0
+    cached: list[int | None] = [None] * len(prompts)  # each prompt's tokens found in the prefix cache
+
+    def cached_tokens(*indices: int) -> int | None:
+        return sum(cached[i] or 0 for i in indices) if state.prompt_tokens_details else None
 
     def chunk(choices):
         return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
@@ -119,13 +125,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
-                            limits=state.limits) as outputs:
+                            limits=state.limits, cache_salt=cache_salt) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()
         async for i, out in outputs:
             if out.prompt_logprobs is not None:
                 prompt_lps[i] = out.prompt_logprobs
+            if out.num_cached_tokens is not None and cached[i] is None:
+                cached[i] = out.num_cached_tokens
             for o in out.outputs:
                 c = i * n + o.index
                 text, token_ids, lp = o.text, o.token_ids, None
@@ -155,9 +163,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     payload = chunk([{"index": c, "text": prefix + text, "logprobs": lp,
                                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
                     if continuous_usage:
-                        payload["usage"] = Usage(len(prompts[i].token_ids), choice_tokens[c]).to_dict()
+                        payload["usage"] = Usage(len(prompts[i].token_ids), choice_tokens[c],
+                                                 cached_tokens(i)).to_dict()
                     await sse.send(payload)
-    usage = Usage(sum(len(p.token_ids) for p in prompts), completion_tokens)
+    usage = Usage(sum(len(p.token_ids) for p in prompts), completion_tokens, cached_tokens(*range(len(prompts))))
     if sse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})

@@ -82,12 +82,14 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def prompt_blocks(token_ids: list[int], block_size: int) -> list[tuple[int, tuple[int, ...]]]:
-    """(hash, tokens) of the prompt's full blocks that a prefix lookup may load (never the last token's)."""
+def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None
+                  ) -> list[tuple[int, tuple[int, ...]]]:
+    """(hash, tokens) of the prompt's full blocks that a prefix lookup may load (never the last token's), hashed
+    as the engine hashes them (the salt in the first)."""
     out, parent = [], None
     for i in range((len(token_ids) - 1) // block_size):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = hash_block_tokens(parent, tokens)
+        parent = hash_block_tokens(parent, tokens, None if i else cache_salt)
         out.append((parent, tokens))
     return out
 
@@ -111,13 +113,14 @@ def transfer_source(body: dict, state) -> str | None:
     return source
 
 
-async def pull_blocks(state, request: web.Request, source: str, prompts: list[list[int]]) -> int:
+async def pull_blocks(state, request: web.Request, source: str, prompts: list[list[int]],
+                      cache_salt: str | None = None) -> int:
     """Fetch the prompts' full blocks this instance's folder lacks from `source`; returns how many were added."""
     disk = _disk(state)
     bs = state.engine.engine.config.cache_config.block_size
     wanted: dict[int, tuple[int, ...]] = {}
     for ids in prompts:
-        for h, tokens in prompt_blocks(ids, bs):
+        for h, tokens in prompt_blocks(ids, bs, cache_salt):
             wanted.setdefault(h, tokens)
     missing = await asyncio.to_thread(lambda: [(h, t) for h, t in wanted.items() if not disk.has_file(h)])
     if not missing:

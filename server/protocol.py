@@ -61,7 +61,6 @@ _UNSUPPORTED = {
     "functions": "function calling ('functions') is not supported",
     "function_call": "function calling ('function_call') is not supported",
     "use_beam_search": "beam search is not supported by the server ('use_beam_search'; offline: LLM.beam_search)",
-    "cache_salt": "'cache_salt' (a prefix cache of its own) is not supported",
     "prompt_embeds": "'prompt_embeds' is not supported",
     "logits_processors": "custom 'logits_processors' are not supported",
 }
@@ -78,6 +77,15 @@ def reject_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise APIError("'best_of' is not supported (use n)", param="best_of")
+
+
+def cache_salt_from(body: dict) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string giving the request a prefix cache of its own (shared only with
+    requests that send the same salt), or None."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise APIError("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+    return salt
 
 
 # vLLM's older per-kind request fields -> StructuredOutputsParams fields
@@ -182,10 +190,14 @@ def stream_usage(body: dict) -> tuple[bool, bool]:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (`--enable-prompt-tokens-details`)
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
 def _finite(logprob: float) -> float:

@@ -50,11 +50,12 @@ RESTORED_OUTPUTS = "restored_outputs.jsonl"
 
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
                 model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
-                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None) -> None:
+                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
+                prompt_tokens_details: bool = False) -> None:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
     timeout), then end the rest (saved in `snapshot_dir` when given)."""
     app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants,  # (sets the KV shares)
-                     kv_pull_from=kv_pull_from)
+                     kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details)
     if snapshot_dir is not None:
         engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
     if tenants:
@@ -96,6 +97,7 @@ def main(ns) -> None:
         engine = AsyncLLM.from_engine_args(args)
         asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
                           shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
-                          kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u]))
+                          kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u],
+                          prompt_tokens_details=ns.enable_prompt_tokens_details))
     finally:
         sock.close()

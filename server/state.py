@@ -16,8 +16,10 @@ class ServerState:
     """What the handlers share: the engine, the served model's name and limits, the API key."""
 
     def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None,
-                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None):
+                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
+                 prompt_tokens_details: bool = False):
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details  # usage carries prompt_tokens_details.cached_tokens
         self.kv_pull_from = [u.rstrip("/") for u in kv_pull_from or []]  # prefill instances trusted for KV blocks
         cfg = engine.engine.config
         self.model_name = model_name or os.path.basename(cfg.model_config.model.rstrip("/"))

@@ -55,7 +55,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(block_pool.hash_block_tokens(hashes[-1] if hashes else None,
-                                                       request.token_ids_slice(i * bs, (i + 1) * bs)))
+                                                       request.token_ids_slice(i * bs, (i + 1) * bs),
+                                                       None if i else request.cache_salt))
         return hashes[: num_tokens // bs]  # (more may be known from earlier steps: never hand out those)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
@@ -72,15 +73,15 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of `token_ids` whose full blocks the device's prefix cache holds now (a probe: nothing
-        is recorded; data-parallel routing asks each replica)."""
+    def num_cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Leading tokens of `token_ids` (under `cache_salt`) whose full blocks the device's prefix cache holds now
+        (a probe: nothing is recorded; data-parallel routing asks each replica)."""
         if not self.enable_prefix_caching:
             return 0
         bs, parent, n = self.block_size, None, 0
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = block_pool.hash_block_tokens(parent, tokens)
+            parent = block_pool.hash_block_tokens(parent, tokens, None if i else cache_salt)
             if self.pool.get_cached_block(parent, tokens) is None:
                 break
             n += bs

@@ -146,9 +146,11 @@ class AsyncLLM:
         delta: bool = False,
         priority: int = 0,
         tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError. tenant: whose
-        KV share it counts against (`LLMEngine.set_kv_shares`)."""
+        KV share it counts against (`LLMEngine.set_kv_shares`). cache_salt: its own prefix cache
+        (`LLMEngine.make_requests`)."""
         if self._stopped:
             raise EngineStopped(saved=False)
         if self.errored is not None:
@@ -156,7 +158,8 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority, tenant=tenant)
+        text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority, tenant=tenant,
+                                                        cache_salt=cache_salt)
         stream = RequestStream(self, request_id, delta)
         kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
         with self._lock:
@@ -175,13 +178,15 @@ class AsyncLLM:
         *,
         delta: bool = False,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (cumulative text, or only the new part with delta=True).
 
         Bad input raises ValueError before anything is yielded. Leaving the loop early (or
         cancellation) aborts the request.
         """
-        stream = await self.add_request(prompt, params, request_id, delta=delta, priority=priority)
+        stream = await self.add_request(prompt, params, request_id, delta=delta, priority=priority,
+                                        cache_salt=cache_salt)
         try:
             async for out in stream:
                 yield out

@@ -34,12 +34,12 @@ class ReplicaRouter:
         self.requests = ChainMap(*(c.scheduler.requests for c in cores))  # (.get: the request, wherever it is)
         self.num_routed = [0] * len(cores)
 
-    def pick(self, prompt_token_ids: list[int]) -> int:
+    def pick(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """The replica for a new prompt: the least loaded (`replica_load`); among equally loaded ones, the one whose
-        prefix cache holds the most of the prompt; then the first."""
+        prefix cache holds the most of the prompt (under its salt); then the first."""
         def key(i: int):
-            core = self.cores[i]
-            return replica_load(core), -core.kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids), i
+            cached = self.cores[i].kv_cache_manager.num_cached_prefix_tokens(prompt_token_ids, cache_salt)
+            return replica_load(self.cores[i]), -cached, i
 
         return min(range(len(self.cores)), key=key)
 
@@ -54,7 +54,7 @@ class ReplicaRouter:
         for req in reqs:
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
-        i = self.pick(reqs[0].prompt_token_ids)
+        i = self.pick(reqs[0].prompt_token_ids, reqs[0].cache_salt)
         self.num_routed[i] += 1
         for req in reqs:
             self.cores[i].scheduler.add_request(req)

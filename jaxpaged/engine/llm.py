@@ -20,12 +20,20 @@ PromptType = str | list[int] | dict[str, Any]
 
 def _normalize_prompts(prompts) -> list[str | list[int]]:
     """str | list[int] | dict | a list of those -> a list of str or token-id lists."""
+    return _split_prompts(prompts)[0]
+
+
+def _split_prompts(prompts) -> tuple[list[str | list[int]], list[str | None]]:
+    """str | list[int] | dict | a list of those -> (str or token-id lists, each one's `cache_salt` or None).
+    A dict prompt is vLLM's TextPrompt / TokensPrompt: 'prompt' or 'prompt_token_ids', optional 'cache_salt'."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
         prompts = [list(prompts)]
     out: list[str | list[int]] = []
+    salts: list[str | None] = []
     for p in prompts:
+        salts.append(p.get("cache_salt") if isinstance(p, dict) else None)
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
                 out.append(list(p["prompt_token_ids"]))
@@ -37,7 +45,7 @@ def _normalize_prompts(prompts) -> list[str | list[int]]:
             out.append(p if isinstance(p, str) else list(p))
         else:
             raise ValueError(f"prompts: expected str or list of token ids, got {type(p).__name__}")
-    return out
+    return out, salts
 
 
 class LLM:
@@ -74,7 +82,7 @@ class LLM:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in order.
 
         priority: one int per prompt (lower runs first) for the priority and hybrid scheduling policies."""
-        prompts = _normalize_prompts(prompts)
+        prompts, salts = _split_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -86,8 +94,8 @@ class LLM:
             raise ValueError(f"priority: need one int per prompt ({len(prompts)}), got {priority!r}")
         ids = []
         try:
-            for p, sp, prio in zip(prompts, params, priority):
-                ids.append(self.engine.add_request(None, p, sp, priority=prio,
+            for p, sp, prio, salt in zip(prompts, params, priority, salts):
+                ids.append(self.engine.add_request(None, p, sp, priority=prio, cache_salt=salt,
                                                    output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             self.engine.abort_request(ids)

@@ -256,9 +256,14 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                      priority: int = 0, tenant: str | None = None) -> tuple[str | None, list[int], list[Request]]:
+                      priority: int = 0, tenant: str | None = None, cache_salt: str | None = None,
+                      ) -> tuple[str | None, list[int], list[Request]]:
         """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError). tenant: the
-        server's tenant whose KV share the requests count against (`set_kv_shares`)."""
+        server's tenant whose KV share the requests count against (`set_kv_shares`). cache_salt: vLLM's, a
+        non-empty string mixed into the first block's hash, so only requests with the same salt share cached
+        prefix blocks (one tenant's prompts cannot be probed by another's timing)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         if (cut := params.truncated(ids, self.config.scheduler_config.max_model_len)) is not ids:
             text, ids = None, cut
@@ -273,7 +278,8 @@ class LLMEngine:
             seed = base_seed if params.n == 1 else int(np.random.SeedSequence([base_seed, i]).generate_state(1)[0])
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority, tenant=tenant,
-                                    eos_token_ids=self.config.model_config.eos_token_ids, processor_rows=rows,
+                                    cache_salt=cache_salt, eos_token_ids=self.config.model_config.eos_token_ids,
+                                    processor_rows=rows,
                                     grammar_matcher=self.structured.matcher(grammar) if grammar else None))
         return text, ids, requests
 
@@ -293,8 +299,10 @@ class LLMEngine:
         *,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError."""
+        """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError. cache_salt:
+        as `make_requests`'."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._ids))
@@ -302,7 +310,7 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if self.output.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority)
+        text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
         self.output.add(request_id, text, ids, requests, output_kind)
         self.add_core_requests(requests)
         return request_id
@@ -318,7 +326,7 @@ class LLMEngine:
     def fork_held_request(self, parent: Request, request_id: str) -> Request:
         """A held copy of `parent` (same tokens so far) that shares its blocks until one of them writes."""
         child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, seed=parent.seed,
-                        hold_output=True, eos_token_ids=parent.eos_token_ids,
+                        hold_output=True, eos_token_ids=parent.eos_token_ids, cache_salt=parent.cache_salt,
                         output_token_ids=list(parent.output_token_ids))
         self.scheduler.fork(parent, child, parent.num_computed_tokens, share=self.config.share_forked_blocks)
         return child

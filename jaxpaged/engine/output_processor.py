@@ -274,8 +274,9 @@ class OutputProcessor:
         if not (delta and parent.prompt_logprobs_sent):
             prompt_lp = self._prompt_logprobs(parent.samples[0].request)
             parent.prompt_logprobs_sent = prompt_lp is not None
+        cached = parent.samples[0].request.num_cached_tokens
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.finished,
-                             prompt_logprobs=prompt_lp)
+                             prompt_logprobs=prompt_lp, num_cached_tokens=cached if cached >= 0 else None)
 
 
 __all__ = ["OutputProcessor", "RequestOutputKind", "RequestStatus"]

@@ -115,7 +115,7 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
             })
         out.append({"request_id": parent.request_id, "prompt": parent.prompt,
                     "prompt_token_ids": list(parent.prompt_token_ids), "kind": parent.kind.name,
-                    "priority": first.priority, "tenant": first.tenant,
+                    "priority": first.priority, "tenant": first.tenant, "cache_salt": first.cache_salt,
                     "params": _params_to_json(first.sampling_params), "samples": samples})
     return out
 
@@ -160,7 +160,7 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, gramm
     for s in d["samples"]:
         outputs = list(s["output_token_ids"])
         req = Request(s["request_id"], prompt_ids, params, seed=s["seed"], prompt=d["prompt"],
-                      priority=d["priority"], tenant=d.get("tenant"),
+                      priority=d["priority"], tenant=d.get("tenant"), cache_salt=d.get("cache_salt"),
                       eos_token_ids=engine.config.model_config.eos_token_ids, processor_rows=rows,
                       output_token_ids=outputs, arrival_time=now,
                       output_logprobs=[tuple(x) for x in s["output_logprobs"]],

@@ -11,6 +11,7 @@ import pytest
 
 import jaxpaged
 from jaxpaged import LLM, SamplingParams
+from server.state import STATE
 from tests.server.conftest import API_KEY, ENGINE_ARGS, post
 
 PROMPT = "w5 w6 w7 w8 w9"
@@ -217,6 +218,57 @@ def test_truncate_prompt_tokens_over_http(live_server):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0}, **greedy)
     assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_cache_salt_over_http(live_server):
+    """vLLM's cache_salt: a prompt's cached blocks are found again only under the same salt (completions and
+    chat); the outputs do not change; an empty salt is a 400 naming it."""
+    c = client(live_server)
+    kv = live_server.engine.engine.kv_cache_manager
+    ids = [3 + (i * 37) % 250 for i in range(70)]  # (4 full blocks of 16 before the last token)
+    greedy = dict(model="tiny", max_tokens=4, temperature=0, prompt=ids)
+
+    def hits(salt):
+        before = kv.num_hit_tokens
+        r = c.completions.create(**greedy, extra_body={"cache_salt": salt, "ignore_eos": True})
+        return kv.num_hit_tokens - before, r.choices[0].text
+
+    first, text = hits("alpha")
+    assert first == 0
+    assert hits("alpha") == (64, text)
+    assert hits("beta") == (0, text)
+    message = [{"role": "user", "content": " ".join(f"w{i % 200}" for i in range(60))}]
+    for expected in (0, 48):
+        before = kv.num_hit_tokens
+        c.chat.completions.create(model="tiny", messages=message, max_tokens=2, extra_body={"cache_salt": "gamma"})
+        assert kv.num_hit_tokens - before == expected
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(**greedy, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"
+
+
+def test_prompt_tokens_details_count_cached_tokens(live_server):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, per request (both
+    endpoints, streamed usage too); absent without the flag."""
+    c = client(live_server)
+    state = live_server.runner.app[STATE]
+    ids = [3 + (i * 41) % 250 for i in range(50)]  # (3 full blocks of 16 before the last token)
+    body = dict(model="tiny", max_tokens=2, prompt=ids, extra_body={"cache_salt": "details"})
+    assert c.completions.create(**body).usage.prompt_tokens_details is None  # (off by default)
+    state.prompt_tokens_details = True
+    try:
+        assert c.completions.create(**body).usage.prompt_tokens_details.cached_tokens == 48
+        two = c.completions.create(**{**body, "prompt": [ids, ids[:20] + [7] * 30]})
+        assert two.usage.prompt_tokens_details.cached_tokens == 48 + 16
+        chunks = post(live_server, "/v1/completions", {"model": "tiny", "max_tokens": 2, "prompt": ids,
+                                                       "cache_salt": "details", "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+        message = [{"role": "user", "content": " ".join(f"w{(i * 7) % 200 + 3}" for i in range(40))}]
+        chat = [c.chat.completions.create(model="tiny", messages=message, max_tokens=2).usage for _ in range(2)]
+        assert [u.prompt_tokens_details.cached_tokens for u in chat] == [0, 32]
+    finally:
+        state.prompt_tokens_details = False
 
 
 @pytest.mark.parametrize("path,field,where", [("/v1/completions", "prompt", "prompt"),

@@ -11,6 +11,7 @@ from jaxpaged.sampling_params import SamplingParams
 from server.protocol import (
     APIError,
     Usage,
+    cache_salt_from,
     chat_logprobs,
     completion_logprobs,
     get_field,
@@ -100,7 +101,7 @@ def test_bad_sampling_values_name_their_field(body, param):
     ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"cache_salt": "tenant-a"}, "cache_salt"), ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])
 def test_unsupported_fields_are_rejected_by_name(body, param):
@@ -256,3 +257,14 @@ def test_completion_prompts_take_add_special_tokens():
     tok = _TemplateTokenizer()
     assert [p.token_ids for p in parse_prompts({"prompt": ["ab", [7, 8]]}, tok)] == [[-1, 2], [7, 8]]
     assert parse_prompts({"prompt": "ab", "add_special_tokens": False}, tok)[0].token_ids == [2]
+
+
+@pytest.mark.parametrize("body,salt", [({}, None), ({"cache_salt": None}, None), ({"cache_salt": "t-1"}, "t-1")])
+def test_cache_salt_is_read(body, salt):
+    assert cache_salt_from(body) == salt
+
+
+@pytest.mark.parametrize("salt", ["", 3, ["a"]])
+def test_a_cache_salt_must_be_a_non_empty_string(salt):
+    e = error_of(cache_salt_from, {"cache_salt": salt})
+    assert e.status == 400 and e.param == "cache_salt" and "non-empty string" in e.message
