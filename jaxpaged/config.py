@@ -61,6 +61,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalized to sum 1
     shared_expert: bool = False  # (Qwen2-MoE) the dense MLP runs beside the experts, gated by sigmoid(x @ shared_gate)
+    # layers of two kinds (Gemma 3): each layer's sliding window (None: full attention), and the RoPE theta of the
+    # windowed ones (plain RoPE; the full ones keep rope_theta and rope_scaling). None: every layer alike.
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False  # (Gemma 3) attention and MLP outputs normed too, before their residual adds
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer attends alike (so layers can run stacked under one `lax.scan`)."""
+        return self.layer_windows is None or len(set(self.layer_windows)) == 1
 
     @property
     def dense_mlp(self) -> bool:

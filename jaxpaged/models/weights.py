@@ -37,6 +37,10 @@ _HF_LAYER = {
 _HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_NAMES = {"gate_proj": "we_gate", "w1": "we_gate", "up_proj": "we_up", "w3": "we_up", "down_proj": "we_down",
                  "w2": "we_down"}
+# Gemma 3 norms every block's input and output: its post_attention_layernorm is the attention output's
+_HF_SANDWICH_LAYER = {**_HF_LAYER, "post_attention_layernorm.weight": ("attn_out_norm", False),
+                      "pre_feedforward_layernorm.weight": ("post_norm", False),
+                      "post_feedforward_layernorm.weight": ("mlp_out_norm", False)}
 _HF_GLOBAL = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
               "lm_head.weight": ("lm_head", True)}
 
@@ -110,7 +114,8 @@ def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndar
                 load = lambda h=h, name=name: np.asarray(h.get_tensor(name))  # noqa: E731
                 yield from _split_fused(cfg, name, load)
 
-    return _stack_layers(cfg, items(), _HF_LAYER, _HF_GLOBAL, "model.layers.")
+    layer_map = _HF_SANDWICH_LAYER if cfg.sandwich_norms else _HF_LAYER
+    return _stack_layers(cfg, items(), layer_map, _HF_GLOBAL, "model.layers.")
 
 
 # Checkpoints with fused projections (Phi-3): their [out, in] rows split into the separate tensors' names.

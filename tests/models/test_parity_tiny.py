@@ -11,8 +11,9 @@ from tests.tiny_models import load_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mistral-window"]  # (window 8 against prompts up to 100 tokens)
 # the families that differ from Llama in ModelConfig fields: Gemma (norm offset, GELU, embedding scale), Granite
-# (multipliers), Phi-3 (fused checkpoint tensors, partial rotary; LongRoPE), YaRN RoPE, experts
-VARIANT_ARCHS = ["gemma", "granite", "phi3", "phi3-longrope", "qwen2-yarn",
+# (multipliers), Phi-3 (fused checkpoint tensors, partial rotary; LongRoPE), YaRN RoPE, experts; Gemma 3 (sliding
+# and full layers with their own RoPE, q/k norms, norms around each block)
+VARIANT_ARCHS = ["gemma", "gemma3", "granite", "phi3", "phi3-longrope", "qwen2-yarn",
                  "mixtral", "qwen3-moe", "qwen2-moe"]  # mixtures of experts (Qwen2-MoE: with a shared expert)
 PROMPT_LENS = [1, 5, 16, 17, 31, 40, 64, 100]
 
@@ -31,8 +32,13 @@ def test_last_position_logits_match_hf(arch, tiny_model_dir, layout):
     backend = "cpu" if layout == "packed" else "reference"
     if backend == "cpu" and not cpu_dense.panel():
         pytest.skip("the CPU kernels cannot be built here")
-    model = build_model(model_config_from_hf(path, load_hf_config(path), "float32"), per_layer=per_layer,
-                        attention_backend=backend)
+    cfg = model_config_from_hf(path, load_hf_config(path), "float32")
+    if not cfg.uniform_layers and not per_layer:  # (Gemma 3's sliding and full layers run per layer)
+        with pytest.raises(ValueError, match="per-layer layout"):
+            build_model(cfg, per_layer=False)
+        assert isinstance(build_model(cfg).params()["layers"], list)
+        return
+    model = build_model(cfg, per_layer=per_layer, attention_backend=backend)
     assert isinstance(model.params()["layers"], list) == per_layer
     assert not per_layer or (model.params()["layers"][0]["wqkv"].ndim == 3) == (layout == "packed")
     worst = 0.0
