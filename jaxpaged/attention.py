@@ -51,6 +51,7 @@ def paged_attention(
     kv_chunk: int,
     backend: str = "reference",
     max_query_len: int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "T H D"]:
     """Each token over its sequence's cached context (in the pool) and the step's new tokens, causally.
 
@@ -60,8 +61,11 @@ def paged_attention(
     reading the new tokens' K/V from the pool (written just before); "pallas-interpret": the same
     kernel through the Pallas interpreter (CPU tests); "cpu": the C++ kernel for CPUs, reading the pool
     as the Pallas kernel does. `max_query_len` (static, optional): no sequence
-    has more new tokens than this; the reference path then reads fewer new keys per token.
+    has more new tokens than this; the reference path then reads fewer new keys per token. softcap: scores
+    squashed to softcap * tanh(score / softcap) (Gemma 2); only the reference path has it.
     """
+    if softcap and backend != "reference":
+        raise ValueError(f"attention logit soft-capping runs on the 'reference' attention backend, not {backend!r}")
     if backend in ("pallas", "pallas-interpret"):
         return ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
                                       sliding_window=sliding_window, interpret=backend == "pallas-interpret")
@@ -73,7 +77,7 @@ def paged_attention(
     return split_ragged_paged_attention(
         q, k_new, v_new, kv_pool, layer, block_tables, token_seq, positions, decode_context_lens,
         seq_context_lens, continuation_rows, sm_scale=sm_scale, sliding_window=sliding_window, kv_chunk=kv_chunk,
-        max_query_len=max_query_len,
+        max_query_len=max_query_len, softcap=softcap,
     )
 
 

@@ -36,8 +36,11 @@ def _empty_state(rows: int, kh: int, group: int, d: int):
             jnp.zeros((rows, kh, group, d), jnp.float32))
 
 
-def _masked_softmax_part(s, visible, v, pv_spec: str):
-    """(m, l, acc) of scores `s` [.., KH, G, C] over visible keys, with values contracted by `pv_spec`."""
+def _masked_softmax_part(s, visible, v, pv_spec: str, softcap: float | None = None):
+    """(m, l, acc) of scores `s` [.., KH, G, C] over visible keys, with values contracted by `pv_spec`; softcap:
+    scores first squashed to softcap * tanh(s / softcap) (Gemma 2)."""
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(visible, s, _MASKED)
     m = s.max(-1)
     p = jnp.exp(s - m[..., None]) * visible
@@ -45,7 +48,7 @@ def _masked_softmax_part(s, visible, v, pv_spec: str):
 
 
 def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, *, tile: int = 128,
-                    max_query_len: int | None = None):
+                    max_query_len: int | None = None, softcap: float | None = None):
     """Part A: each token over the step's new tokens of its own sequence, causally.
 
     A sequence's new tokens are contiguous and in position order, so a token only sees tokens at or
@@ -66,7 +69,7 @@ def _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, *, t
         visible &= positions[None, lo:end] <= positions[start:end, None]
         if sliding_window is not None:
             visible &= positions[None, lo:end] > positions[start:end, None] - sliding_window
-        parts.append(_masked_softmax_part(s, visible[:, None, None, :], v_new[lo:end], "tkgj,jkd->tkgd"))
+        parts.append(_masked_softmax_part(s, visible[:, None, None, :], v_new[lo:end], "tkgj,jkd->tkgd", softcap))
     return tuple(jnp.concatenate(xs) for xs in zip(*parts))
 
 
@@ -76,7 +79,7 @@ def _window_mask(key_pos, positions, sliding_window):
     return key_pos[None, :] > positions[:, None] - sliding_window
 
 
-def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, sliding_window):
+def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, sliding_window, softcap=None):
     """Part B: row t over keys [0, context_lens[t]) of its own table.
 
     Rows sorted by context, descending, are fastest (a group stops at its own longest context); any
@@ -102,7 +105,7 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
             key_pos = c * kv_chunk + jnp.arange(kv_chunk)
             visible = (key_pos[None, :] < ctx[:, None]) & _window_mask(key_pos, pos, sliding_window)
             s = jnp.einsum("tkgd,tckd->tkgc", q, k)
-            return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,tckd->tkgd"))
+            return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,tckd->tkgd", softcap))
 
         chunks = (jnp.max(ctx) + kv_chunk - 1) // kv_chunk
         part = jax.lax.fori_loop(0, chunks, chunk_body, _empty_state(gs, kh, group, d))
@@ -113,7 +116,7 @@ def _decode_part(qg, kv_pool, layer, tables, context_lens, positions, kv_chunk, 
 
 
 def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, seq_context_lens,
-                       continuation_rows, kv_chunk, sliding_window, *, window: int = 64):
+                       continuation_rows, kv_chunk, sliding_window, *, window: int = 64, softcap=None):
     """Part C: for each continuation sequence, its new tokens over its cached keys, each chunk gathered once.
 
     A sequence's tokens are contiguous; they are visited in row windows of `window`, so the work is
@@ -147,7 +150,8 @@ def _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, s
                 key_pos = c * kv_chunk + jnp.arange(kv_chunk)
                 visible = mine[:, None] & (key_pos[None, :] < ctx) & _window_mask(key_pos, pos, sliding_window)
                 s = jnp.einsum("tkgd,ckd->tkgc", q, k)
-                return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,ckd->tkgd"))
+                return _merge(carry, _masked_softmax_part(s, visible[:, None, None, :], v, "tkgc,ckd->tkgd",
+                                                          softcap))
 
             part = jax.lax.fori_loop(0, (ctx + kv_chunk - 1) // kv_chunk, chunk_body, _empty_state(w, kh, group, d))
             cur = tuple(jax.lax.dynamic_slice_in_dim(x, start, w) for x in state)
@@ -177,6 +181,7 @@ def split_ragged_paged_attention(
     sliding_window: int | None = None,
     kv_chunk: int = 32,
     max_query_len: int | None = None,  # most new tokens of one sequence, if known (static); see part A
+    softcap: float | None = None,  # scores squashed to softcap * tanh(score / softcap) (Gemma 2)
 ) -> Float[Array, "T H D"]:
     """Attention of each token over its sequence's cached context and the step's new tokens."""
     t, h, d = q.shape
@@ -186,15 +191,16 @@ def split_ragged_paged_attention(
     # New tokens' K/V as the pool holds them (rounded to a narrower KV dtype), as later steps and the kernel read
     # them: outputs do not depend on how a prompt is split over steps.
     k_new, v_new = decode(encode(k_new, kv_pool.dtype)), decode(encode(v_new, kv_pool.dtype))
-    state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, max_query_len=max_query_len)
+    state = _new_token_part(qg, k_new, v_new, token_seq, positions, sliding_window, max_query_len=max_query_len,
+                            softcap=softcap)
     r = min(s, t)
     tables = block_tables[jnp.maximum(token_seq[:r], 0)]
     head = _decode_part(qg[:r], kv_pool, layer, tables, decode_context_lens[:r], positions[:r], kv_chunk,
-                        sliding_window)
+                        sliding_window, softcap)
     head = _merge(tuple(x[:r] for x in state), head)
     state = tuple(jnp.concatenate([hx, x[r:]]) for hx, x in zip(head, state))
     cont = _continuation_part(qg, kv_pool, layer, block_tables, token_seq, positions, seq_context_lens,
-                              continuation_rows, kv_chunk * 4, sliding_window)
+                              continuation_rows, kv_chunk * 4, sliding_window, softcap=softcap)
     m, l, acc = _merge(state, cont)
     l = jnp.where(l > 0, l, 1.0)  # padding tokens see no key
     return (acc / l[..., None]).reshape(t, h, d).astype(q.dtype)

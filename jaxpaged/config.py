@@ -7,6 +7,7 @@ turns them into frozen config dataclasses once the model is known.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -60,12 +61,15 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalized to sum 1
+    round_router_weights: bool = False  # (Qwen-MoE) those weights rounded to the activations' dtype, as HF does
     shared_expert: bool = False  # (Qwen2-MoE) the dense MLP runs beside the experts, gated by sigmoid(x @ shared_gate)
     # layers of two kinds (Gemma 3): each layer's sliding window (None: full attention), and the RoPE theta of the
     # windowed ones (plain RoPE; the full ones keep rope_theta and rope_scaling). None: every layer alike.
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None
-    sandwich_norms: bool = False  # (Gemma 3) attention and MLP outputs normed too, before their residual adds
+    sandwich_norms: bool = False  # (Gemma 2/3) attention and MLP outputs normed too, before their residual adds
+    attn_softcap: float | None = None  # (Gemma 2) attention scores squashed to cap * tanh(score / cap)
+    final_softcap: float | None = None  # (Gemma 2) logits squashed the same way
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
@@ -93,9 +97,13 @@ class ModelConfig:
         return self.activation_dtype or self.dtype
 
     def __hash__(self) -> int:
-        """Hashable (a static argument of jitted functions) although rope_scaling is a dict."""
-        return hash(tuple(tuple(sorted((self.rope_scaling or {}).items())) if f.name == "rope_scaling"
-                          else getattr(self, f.name) for f in dataclasses.fields(self)))
+        """Hashable (a static argument of jitted functions) although rope_scaling is a dict (LongRoPE's holding
+        lists)."""
+        def frozen(v):
+            return tuple(frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+        return hash(tuple(tuple(sorted((k, frozen(v)) for k, v in (self.rope_scaling or {}).items()))
+                          if f.name == "rope_scaling" else getattr(self, f.name) for f in dataclasses.fields(self)))
 
     def kv_bytes_per_token(self, kv_dtype) -> int:
         """Bytes of K and V, over all layers, that one token occupies in a pool of `kv_dtype`."""
@@ -251,6 +259,17 @@ def resolve_attention_backend(name: str) -> str:
         raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the CPU kernels "
                          "(attention and rotary tables; see the log); use 'auto' or 'reference'")
     return resolve_kernel_backend(name)
+
+
+def attention_backend_for(backend: str, model_config: ModelConfig) -> str:
+    """The resolved attention backend, or the plain-JAX one where the model needs what only it has (Gemma 2's
+    soft-capped attention scores)."""
+    if model_config.attn_softcap and backend != "reference":
+        logging.getLogger(__name__).warning(
+            "%s soft-caps attention scores, which only the plain-JAX attention does: using attention_backend "
+            "'reference' instead of %r", model_config.architecture, backend)
+        return "reference"
+    return backend
 
 
 def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:

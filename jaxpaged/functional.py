@@ -30,6 +30,7 @@ from jaxpaged.config import (
     DTYPES,
     KERNEL_BACKENDS,
     ModelConfig,
+    attention_backend_for,
     kv_pool_dtype,
     platform_is_gpu,
     resolve_attention_backend,
@@ -94,6 +95,7 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     attention_backend = resolve_attention_backend(attention_backend)  # a bad name raises here, before loading
     path = model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), dtype)
+    attention_backend = attention_backend_for(attention_backend, model_config)
     params = model_params(model_config, load_weights(model_config, load_format), per_layer=per_layer)
     return Config(model_config, attention_backend, resolve_kernel_backend(sampler_backend)), params
 
@@ -194,7 +196,8 @@ def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B 
     )
     hidden, pool = _forward(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
     last = jnp.arange(b) * p + jnp.maximum(lengths - 1, 0)
-    logits = compute_logits(params, hidden[last], scale=config.model.logits_scale)
+    logits = compute_logits(params, hidden[last], scale=config.model.logits_scale,
+                            softcap=config.model.final_softcap)
     logits = jnp.where((lengths > 0)[:, None], logits, 0.0)
     return logits, KVCache(pool, cache.block_tables, ctx + lengths.astype(jnp.int32))
 
@@ -217,7 +220,8 @@ def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
         max_query_len=1,
     )
     hidden, pool = _forward(config, params, cache, tokens.astype(jnp.int32), meta)
-    return compute_logits(params, hidden, scale=config.model.logits_scale), KVCache(pool, cache.block_tables, ctx + 1)
+    logits = compute_logits(params, hidden, scale=config.model.logits_scale, softcap=config.model.final_softcap)
+    return logits, KVCache(pool, cache.block_tables, ctx + 1)
 
 
 def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, top_k=0, top_p=1.0

@@ -28,6 +28,12 @@ for _status in RequestStatus:  # a plain attribute: read for every request on ev
     _status.finished = _status.value >= RequestStatus.FINISHED_STOPPED.value
 
 
+def check_cache_salt(salt) -> None:
+    """Raise ValueError unless `salt` is None or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated. `num_computed_tokens` catches up to `num_tokens` step by step."""

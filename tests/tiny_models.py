@@ -104,6 +104,10 @@ def tiny_config(arch: str):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True,
                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                          "original_max_position_embeddings": 32})
+    if arch == "gemma2":  # alternating sliding (window 8) and full layers, soft-capped scores and logits
+        return transformers.Gemma2Config(**common, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                         tie_word_embeddings=True)
     if arch == "gemma3":  # a sliding (window 8, theta 1e4) and a full layer (linear-scaled theta 1e6), q/k norms,
         # norms around each block, query_pre_attn_scalar
         return transformers.Gemma3TextConfig(
@@ -138,8 +142,8 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
-    if arch in ("gemma", "gemma3", "granite", "phi3", "phi3-longrope"):  # every norm away from its init, so an
-        with torch.no_grad():                                                # offset or a misplaced norm shows
+    if arch in ("gemma", "gemma2", "gemma3", "granite", "phi3", "phi3-longrope"):
+        with torch.no_grad():  # every norm away from its init, so an offset or a misplaced norm shows
             for name, module in model.named_modules():
                 if name.rpartition(".")[2].endswith("norm"):
                     module.weight.normal_(0 if arch.startswith("gemma") else 1, 0.3)

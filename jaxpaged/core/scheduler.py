@@ -504,8 +504,8 @@ class Scheduler:
                         and (reach == n or self.kv.allocate_slots(req, n, hits, offloaded) is None)):
                     break
                 req.num_computed_tokens = num_cached
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_cached
+                if req.num_cached_tokens < 0:  # (a restored request's outputs are not its prompt's)
+                    req.num_cached_tokens = min(num_cached, len(req.prompt_token_ids))
                 self.waiting.pop()
                 self.kv.num_queried_tokens += req.num_tokens
                 self.kv.num_hit_tokens += len(hits) * self.kv.block_size  # (tier hits: the offload's counters)

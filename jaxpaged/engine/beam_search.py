@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from jaxpaged.request import Logprob, Request
+from jaxpaged.request import Logprob, Request, check_cache_salt
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -101,10 +101,14 @@ class BeamSearcher:
                                        ignore_eos=True)
         self._ids = itertools.count()
 
-    def run(self, prompts: list[list[int]], progress=None) -> list[BeamSearchOutput]:
-        """Search every prompt; as many at once as max_num_seqs has room for beam_width beams each."""
+    def run(self, prompts: list[list[int]], progress=None, cache_salts: list[str | None] | None = None
+            ) -> list[BeamSearchOutput]:
+        """Search every prompt; as many at once as max_num_seqs has room for beam_width beams each. cache_salts:
+        each prompt's `cache_salt` (`LLMEngine.make_requests`), or None."""
         max_len = self.engine.config.scheduler_config.max_model_len
-        for ids in prompts:
+        salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        for ids, salt in zip(prompts, salts):
+            check_cache_salt(salt)
             self.engine.validate_prompt(ids, self.sampling)
             if len(ids) + self.params.max_tokens > max_len:
                 raise ValueError(f"max_tokens: a prompt of {len(ids)} tokens + max_tokens={self.params.max_tokens} "
@@ -114,7 +118,7 @@ class BeamSearcher:
         try:
             while len(searches) < len(prompts) or not all(s.done for s in searches):
                 while len(searches) < len(prompts) and sum(not s.done for s in searches) < capacity:
-                    searches.append(self._start(prompts[len(searches)]))
+                    searches.append(self._start(prompts[len(searches)], salts[len(searches)]))
                 steps = self.engine.stats.num_steps
                 self.engine.step()
                 expanded = False
@@ -133,8 +137,8 @@ class BeamSearcher:
                     self.engine.abort_held_request(b.request)
         return [self._output(s) for s in searches]
 
-    def _start(self, ids: list[int]) -> _Search:
-        req = self.engine.add_held_request(f"beam-{next(self._ids)}", ids, self.sampling)
+    def _start(self, ids: list[int], salt: str | None) -> _Search:
+        req = self.engine.add_held_request(f"beam-{next(self._ids)}", ids, self.sampling, cache_salt=salt)
         return _Search(ids, [_Beam(req, [], 0.0)])
 
     def _expand(self, s: _Search) -> None:

@@ -111,10 +111,11 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt (HF's algorithm, early stopping); one `BeamSearchOutput` per prompt, in
         order, whose `.sequences` are the beam_width best, best first. Beams share KV blocks."""
-        ids = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in _normalize_prompts(prompts)]
+        prompts, salts = _split_prompts(prompts)
+        ids = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
         bar = tqdm(total=len(ids), desc="Beam search", unit="prompt", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            return BeamSearcher(self.engine, params).run(ids, progress=bar)
+            return BeamSearcher(self.engine, params).run(ids, progress=bar, cache_salts=salts)
         finally:
             bar.close()
 

@@ -25,6 +25,7 @@ from jaxpaged.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    attention_backend_for,
     platform_is_gpu,
     resolve_attention_backend,
     resolve_kernel_backend,
@@ -46,7 +47,7 @@ from jaxpaged.models.registry import (
     load_weights,
     model_config_from_hf,
 )
-from jaxpaged.request import Request, RequestOutput, RequestStatus
+from jaxpaged.request import Request, RequestOutput, RequestStatus, check_cache_salt
 from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
 from jaxpaged.sampling_params import SamplingParams, row_seed
 from jaxpaged.spec_decode.draft_model import draft_model_config
@@ -174,7 +175,7 @@ class LLMEngine:
         """
         path, model_config, tokenizer, sched, draft_config = setup or prepare_model(args)
         t0 = time.perf_counter()
-        attention_backend = resolve_attention_backend(args.attention_backend)
+        attention_backend = attention_backend_for(resolve_attention_backend(args.attention_backend), model_config)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
         model, models, draft_model, param_bytes = None, None, None, 0
         blocks = kv_pool = None
@@ -262,8 +263,7 @@ class LLMEngine:
         server's tenant whose KV share the requests count against (`set_kv_shares`). cache_salt: vLLM's, a
         non-empty string mixed into the first block's hash, so only requests with the same salt share cached
         prefix blocks (one tenant's prompts cannot be probed by another's timing)."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         if (cut := params.truncated(ids, self.config.scheduler_config.max_model_len)) is not ids:
             text, ids = None, cut
@@ -316,9 +316,10 @@ class LLMEngine:
         return request_id
 
     # -- held requests (beam search drives them token by token) ----------------------------
-    def add_held_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_held_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                         cache_salt: str | None = None) -> Request:
         """Queue a request whose steps compute logprobs but append no token: the caller appends each next token."""
-        req = Request(request_id, list(prompt_token_ids), params, seed=0, hold_output=True,
+        req = Request(request_id, list(prompt_token_ids), params, seed=0, hold_output=True, cache_salt=cache_salt,
                       eos_token_ids=self.config.model_config.eos_token_ids)
         self.scheduler.add_request(req)
         return req

@@ -108,7 +108,7 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
                 "output_token_ids": list(req.output_token_ids[:n]),
                 "output_logprobs": _plain(req.output_logprobs[:n]),
                 "prompt_logprob_rows": _plain(req.prompt_logprob_rows),
-                "num_preemptions": req.num_preemptions,
+                "num_preemptions": req.num_preemptions, "num_cached_tokens": req.num_cached_tokens,
                 "pending_fork": id(req) in pending,
                 "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                 "final_text": s.final_text if s.finished else None,
@@ -165,7 +165,7 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, gramm
                       output_token_ids=outputs, arrival_time=now,
                       output_logprobs=[tuple(x) for x in s["output_logprobs"]],
                       prompt_logprob_rows=[tuple(x) for x in s["prompt_logprob_rows"]],
-                      num_preemptions=s["num_preemptions"])
+                      num_preemptions=s["num_preemptions"], num_cached_tokens=s.get("num_cached_tokens", -1))
         if outputs:  # continued like a request preempted by recompute; its first token's latency is history
             req.status, req.last_token_time, req.first_scheduled_time = RequestStatus.PREEMPTED, now, now
         if grammar is not None:

@@ -61,7 +61,7 @@ def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: F
 def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Float[Array, "X E 2F"],
             w_down: Float[Array, "X F E"], *, top_k: int, normalize: bool, shards: int = 1,
             rows: Int[Array, ""] | None = None, activation: str = "silu", grouped: bool | None = None,
-            ) -> Float[Array, "T E"]:
+            round_weights: bool = False) -> Float[Array, "T E"]:
     """Mixture of experts (Mixtral, Qwen-MoE): each token's router probabilities (a float32 softmax over the X
     experts), its top_k experts' gated MLPs weighted by them (renormalized to sum 1 with `normalize`).
 
@@ -70,7 +70,10 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
     top_k MLPs a token. Else (CPUs) every expert on every token, batched over experts, weighted by the router's
     (zero for the experts not chosen): XLA:CPU runs ragged_dot 1.2-6x slower than that (2026-12-05, 8-256
     tokens, 8-32 experts; a step reads every expert's weights either way once T * top_k passes X).
-    w_gate_up's last axis: `shards` groups of [gate part | up part], as `gated_mlp`'s.
+    Each expert's output (in the activations' dtype, as a matmul returns it) is weighted and summed in float32,
+    rounded once; round_weights: the router weights rounded to the activations' dtype first (Qwen-MoE's router
+    does; Mixtral's keeps float32). w_gate_up's last axis: `shards` groups of [gate part | up part], as
+    `gated_mlp`'s.
     """
     t, e = x.shape
     num_experts = router.shape[-1]
@@ -78,7 +81,8 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
     weight, expert = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [T, k]
     if normalize:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
-    weight = weight.astype(x.dtype)  # (transformers' Mixtral and Qwen-MoE round the weights to the activations')
+    if round_weights:
+        weight = weight.astype(x.dtype).astype(jnp.float32)
     act = ACTIVATIONS[activation]
     if grouped is None:
         grouped = jax.default_backend() != "cpu"
@@ -93,8 +97,8 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
                                        preferred_element_type=jnp.float32).astype(x.dtype)
 
         y = batched(gated(batched(jnp.broadcast_to(x, (num_experts, t, e)), w_gate_up)), w_down)  # [X, T, E]
-        full = jnp.zeros((t, num_experts), x.dtype).at[jnp.arange(t)[:, None], expert].set(weight)  # [T, X]
-        return jnp.einsum("xte,tx->te", y, full)
+        full = jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], expert].set(weight)  # [T, X]
+        return jnp.einsum("xte,tx->te", y.astype(jnp.float32), full).astype(x.dtype)
     flat = expert.reshape(-1)  # [T k]
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     token = order // top_k
@@ -104,8 +108,8 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
         return jax.lax.ragged_dot(a.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     y = ragged(gated(ragged(x[token], w_gate_up)), w_down)  # [T k, E]
-    y = y * weight.reshape(-1)[order][:, None]
-    return jnp.zeros((t, e), x.dtype).at[token].add(y)
+    y = y.astype(jnp.float32) * weight.reshape(-1)[order][:, None]
+    return jnp.zeros((t, e), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")

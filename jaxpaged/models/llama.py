@@ -104,7 +104,7 @@ def forward(
             q, k, v, pool, idx, meta.block_tables, meta.token_seq, meta.positions,
             meta.decode_context_lens, meta.seq_context_lens, meta.continuation_rows,
             sm_scale=cfg.sm_scale, sliding_window=window, kv_chunk=kv_chunk,
-            backend=attention_backend, max_query_len=meta.max_query_len,
+            backend=attention_backend, max_query_len=meta.max_query_len, softcap=cfg.attn_softcap,
         )
         return a, pool
 
@@ -123,14 +123,16 @@ def forward(
     local_angles = angles if cfg.local_rope_theta is None else model_rope_angles(
         meta.positions, cfg.rope_dim, cfg.local_rope_theta, None, cfg.max_position_embeddings, cpu_kernel=cpu_rope)
     x = params["embed"][token_ids]  # [T, E]
-    if cfg.embed_scale != 1.0:  # (the scale rounded to the table's dtype, as transformers' Gemma)
+    if cfg.embed_scale != 1.0 and cfg.norm_offset:  # (Gemma: the scale rounded to the table's dtype, as HF does)
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    elif cfg.embed_scale != 1.0:  # (Granite: a float32 product rounded once, as torch's bf16 x scalar)
+        x = (x.astype(jnp.float32) * cfg.embed_scale).astype(x.dtype)
     x = x.astype(cfg.compute_dtype)
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     rows = meta.num_real_tokens
 
-    def scaled(y):  # a block's output on its way into the residual stream (Granite's residual_multiplier)
-        return y if cfg.residual_scale == 1.0 else y * jnp.asarray(cfg.residual_scale, y.dtype)
+    def scaled(y):  # a block's output into the residual stream: Granite's residual_multiplier, a float32 product
+        return y if cfg.residual_scale == 1.0 else (y.astype(jnp.float32) * cfg.residual_scale).astype(y.dtype)
 
     def kind(i: int):  # layer i's sliding window and rotary tables
         window = cfg.window_of(i)
@@ -174,7 +176,8 @@ def forward(
         out = None
         if cfg.num_experts:
             out = moe_mlp(y, w["router"], w["we_gate_up"], w["we_down"], top_k=cfg.num_experts_per_tok,
-                          normalize=cfg.norm_topk_prob, shards=tp, rows=rows, activation=cfg.hidden_act)
+                          normalize=cfg.norm_topk_prob, round_weights=cfg.round_router_weights, shards=tp, rows=rows,
+                          activation=cfg.hidden_act)
         if cfg.dense_mlp:
             d = gated_mlp(y, w["w_gate_up"], w["w_down"], shards=tp, rows=rows, activation=cfg.hidden_act)
             if cfg.shared_expert:
@@ -196,11 +199,12 @@ def forward(
 
 
 def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
-                   rows: Int[Array, ""] | None = None, scale: float = 1.0) -> Float[Array, "S V"]:
+                   rows: Int[Array, ""] | None = None, scale: float = 1.0,
+                   softcap: float | None = None) -> Float[Array, "S V"]:
     """Vocabulary logits in float32 (the tied embedding when the model has no lm_head); with a mesh, gathered
     from the vocabulary-parallel shards onto every device (the sampler reads whole rows). rows: only the first
     rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all).
-    scale: the logits times it (`ModelConfig.logits_scale`)."""
+    scale: the logits times it (`ModelConfig.logits_scale`). softcap: then squashed to softcap * tanh(x / softcap)."""
     if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
         logits = cpu_dense.packed_dense(hidden, params["lm_head"], rows)
     elif "lm_head" in params:
@@ -212,6 +216,8 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
                                      preferred_element_type=jnp.float32)
     if scale != 1.0:
         logits = logits * scale
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
     return logits if mesh is None else jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
@@ -385,4 +391,4 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: Float[Array, "S E"], rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
         """Vocabulary logits in float32 (on every device, under a mesh); rows: only the first rows' are needed."""
-        return compute_logits(self.params(), hidden, self.mesh, rows, self.cfg.logits_scale)
+        return compute_logits(self.params(), hidden, self.mesh, rows, self.cfg.logits_scale, self.cfg.final_softcap)

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
@@ -36,7 +37,8 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM",
                       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                       "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -126,7 +128,10 @@ def _rope(hf_config, layer_type: str | None = None) -> tuple[float, dict[str, An
 
 
 def _activation(hf_config, arch: str) -> str:
-    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    """The MLP's activation, from the field transformers reads for `arch` (Gemma 2/3: hidden_activation)."""
+    act = getattr(hf_config, "hidden_act", None) or "silu"
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        act = getattr(hf_config, "hidden_activation", None) or act
     if arch == "GemmaForCausalLM" and act == "gelu":  # (transformers reads Gemma's legacy "gelu" as the tanh form)
         act = "gelu_pytorch_tanh"
     if act not in HF_ACTIVATIONS:
@@ -149,20 +154,29 @@ def _experts(hf_config, arch: str) -> dict[str, Any]:
     shared = arch == "Qwen2MoeForCausalLM" and bool(getattr(c, "shared_expert_intermediate_size", 0))
     return dict(num_experts=int(c.num_experts), num_experts_per_tok=int(c.num_experts_per_tok),
                 moe_intermediate_size=int(c.moe_intermediate_size), norm_topk_prob=bool(c.norm_topk_prob),
-                shared_expert=shared)
+                shared_expert=shared, round_router_weights=True)
 
 
 def _layer_kinds(hf_config, arch: str) -> dict[str, Any]:
-    """Gemma 3's fields: sliding and full attention layers, their RoPE, the norms around each block."""
+    """Gemma 2's and 3's fields: sliding and full attention layers, their RoPE, the norms around each block,
+    Gemma 2's soft-capping."""
     c = hf_config
-    if arch != "Gemma3ForCausalLM":
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     if getattr(c, "use_bidirectional_attention", False):
-        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention is not supported")
-    types = list(getattr(c, "layer_types", None) or [])
+        raise ValueError(f"{arch} with use_bidirectional_attention is not supported")
+    pattern = 2 if arch == "Gemma2ForCausalLM" else int(getattr(c, "sliding_window_pattern", None) or 6)
+    types = list(getattr(c, "layer_types", None) or [  # (transformers 4's configs: every `pattern`-th layer full)
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(c.num_hidden_layers)])
     if len(types) != c.num_hidden_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"Gemma3ForCausalLM: layer_types {types!r} are not one of sliding_attention or "
+        raise ValueError(f"{arch}: layer_types {types!r} are not one of sliding_attention or "
                          f"full_attention per layer")
+    window = int(c.sliding_window)
+    kinds = dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+                 sandwich_norms=True, attention_scale=float(c.query_pre_attn_scalar) ** -0.5, sliding_window=None)
+    if arch == "Gemma2ForCausalLM":
+        return dict(kinds, attn_softcap=getattr(c, "attn_logit_softcapping", None) or None,
+                    final_softcap=getattr(c, "final_logit_softcapping", None) or None)
     params = getattr(c, "rope_parameters", None)
     if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
         local_theta, local_scaling, _ = _rope(c, "sliding_attention")
@@ -170,16 +184,13 @@ def _layer_kinds(hf_config, arch: str) -> dict[str, Any]:
             raise ValueError("Gemma3ForCausalLM: scaled RoPE on the sliding layers is not supported")
     else:  # (transformers 4's config: rope_local_base_freq)
         local_theta = float(getattr(c, "rope_local_base_freq", 10000.0))
-    window = int(c.sliding_window)
-    return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
-                local_rope_theta=local_theta, sandwich_norms=True, qk_norm=True,
-                attention_scale=float(c.query_pre_attn_scalar) ** -0.5, sliding_window=None)
+    return dict(kinds, local_rope_theta=local_theta, qk_norm=True)
 
 
-def _unsupported_features(hf_config) -> list[str]:
+def _unsupported_features(hf_config, arch: str) -> list[str]:
     """Config settings this Llama block would silently ignore (so a model using them is refused)."""
-    return [name for name in ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping")
-            if getattr(hf_config, name, None)]
+    capped = () if arch == "Gemma2ForCausalLM" else ("attn_logit_softcapping", "final_logit_softcapping")
+    return [name for name in ("mlp_bias", "use_bidirectional_attention", *capped) if getattr(hf_config, name, None)]
 
 
 def architecture_of(hf_config) -> str:
@@ -215,10 +226,10 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     """Our ModelConfig from a transformers config (activations: `activation_dtype_for(dtype)`)."""
     arch = architecture_of(hf_config)
     c = hf_config
-    unsupported = _unsupported_features(c)
+    unsupported = _unsupported_features(c, arch)
     if unsupported:
         raise ValueError(f"{arch} with {', '.join(unsupported)} is not supported")
-    theta, scaling, partial = _rope(c, "full_attention" if arch == "Gemma3ForCausalLM" else None)
+    theta, scaling, partial = _rope(c, "full_attention" if arch.startswith("Gemma") else None)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -228,7 +239,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     sliding = getattr(c, "sliding_window", None)
     if arch.startswith(("Qwen2", "Qwen3")) and not getattr(c, "use_sliding_window", False):
         sliding = None
-    granite, gemma = arch == "GraniteForCausalLM", arch in ("GemmaForCausalLM", "Gemma3ForCausalLM")
+    granite, gemma = arch == "GraniteForCausalLM", arch.startswith("Gemma")
     experts = _experts(c, arch)
     kinds = _layer_kinds(c, arch)
     intermediate = c.shared_expert_intermediate_size if experts.get("shared_expert") else (
@@ -240,7 +251,8 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
         rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias, o_bias=attention_bias,
+        qkv_bias=(arch == "Qwen2ForCausalLM" or attention_bias
+                  or (arch == "Qwen2MoeForCausalLM" and getattr(c, "qkv_bias", True))), o_bias=attention_bias,
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
         activation_dtype=activation_dtype_for(dtype), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

@@ -74,3 +74,22 @@ def test_a_decode_instance_pulls_the_blocks_the_salted_prompt_cached(llm):
     assert len(salted) == 2 and all(pool.get_cached_block(h, t) is not None for h, t in salted)
     other = prompt_blocks(PROMPT, 16, "tenant-q")
     assert [h for h, _ in other] != [h for h, _ in salted] and pool.get_cached_block(*other[0]) is None
+
+
+def test_beam_search_keeps_the_salt(llm, monkeypatch):
+    """LLM.beam_search's dict prompts carry their salt into the held requests (and a bad one is refused)."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    seen, real = [], llm.engine.add_held_request
+
+    def spy(*args, **kw):
+        req = real(*args, **kw)
+        seen.append(req.cache_salt)
+        return req
+
+    monkeypatch.setattr(llm.engine, "add_held_request", spy)
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    llm.beam_search([{"prompt_token_ids": PROMPT, "cache_salt": "beams"}, PROMPT], params, use_tqdm=False)
+    assert seen == ["beams", None]
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.beam_search([{"prompt_token_ids": PROMPT, "cache_salt": ""}], params, use_tqdm=False)

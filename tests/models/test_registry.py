@@ -1,5 +1,6 @@
 """Model resolution: architectures, rope forms, the default model, and clear errors."""
 
+import dataclasses
 import importlib.util
 import os
 import types
@@ -91,13 +92,33 @@ def test_settings_the_block_would_ignore_are_refused(setting, match):
         registry.model_config_from_hf("x", cfg, "float32")
 
 
-def test_gemma2_softcapping_is_refused_by_name():
-    cfg = transformers.Gemma2Config(architectures=["Gemma2ForCausalLM"])
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM"):
-        registry.model_config_from_hf("x", cfg, "float32")
-    cfg.architectures = ["GemmaForCausalLM"]  # (as if registered: the softcap itself is named)
+def test_softcapping_is_refused_by_name_outside_gemma2():
+    cfg = transformers.Gemma2Config(architectures=["GemmaForCausalLM"])  # (Gemma 1 has no soft-capping)
     with pytest.raises(ValueError, match="softcapping"):
         registry.model_config_from_hf("x", cfg, "float32")
+
+
+def test_gemma2_runs_on_the_plain_jax_attention():
+    """Only the plain-JAX attention soft-caps scores: other backends are swapped for it (with a warning), and
+    asked for directly they refuse."""
+    from jaxpaged.attention import paged_attention
+    from jaxpaged.config import attention_backend_for
+
+    cfg = registry.model_config_from_hf("x", transformers.Gemma2Config(architectures=["Gemma2ForCausalLM"]),
+                                        "float32")
+    assert cfg.attn_softcap == 50.0 and cfg.final_softcap == 30.0
+    assert [attention_backend_for(b, cfg) for b in ("cpu", "pallas", "reference")] == ["reference"] * 3
+    with pytest.raises(ValueError, match="soft-capping"):
+        paged_attention(*[None] * 11, sm_scale=1.0, sliding_window=None, kv_chunk=32, backend="cpu", softcap=5.0)
+
+
+def test_a_longrope_config_is_hashable():
+    """ModelConfig is a static jit argument (the functional API): LongRoPE's factor lists must hash."""
+    cfg = registry.model_config_from_hf("x", transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=1024, original_max_position_embeddings=256,
+        pad_token_id=0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}),
+        "float32")
+    assert hash(cfg) == hash(dataclasses.replace(cfg)) and {cfg: 1}[dataclasses.replace(cfg)] == 1
 
 
 def test_longrope_uses_its_long_factors_from_the_original_length():
