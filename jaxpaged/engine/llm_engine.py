@@ -198,7 +198,7 @@ class LLMEngine:
                             "(bf16 weights, float32 activations; greedy outputs differ slightly from float32's)")
             if draft_config is not None:
                 draft_model = build_model(draft_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
-                                          attention_backend=attention_backend)
+                                          attention_backend=attention_backend_for(attention_backend, draft_config))
                 logger.info("Loaded the draft model %s (%s, %d layers)", draft_config.model, draft_config.architecture,
                             draft_config.num_layers)
             if is_fp8(args.resolved_kv_dtype()) and args.calculate_kv_scales:

@@ -171,7 +171,9 @@ def _layer_kinds(hf_config, arch: str) -> dict[str, Any]:
     if len(types) != c.num_hidden_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ValueError(f"{arch}: layer_types {types!r} are not one of sliding_attention or "
                          f"full_attention per layer")
-    window = int(c.sliding_window)
+    if getattr(c, "sliding_window", None) is None and "sliding_attention" in types:
+        raise ValueError(f"{arch}: sliding_attention layers but no sliding_window in the config")
+    window = int(c.sliding_window) if "sliding_attention" in types else None
     kinds = dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
                  sandwich_norms=True, attention_scale=float(c.query_pre_attn_scalar) ** -0.5, sliding_window=None)
     if arch == "Gemma2ForCausalLM":
@@ -226,6 +228,9 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
     """Our ModelConfig from a transformers config (activations: `activation_dtype_for(dtype)`)."""
     arch = architecture_of(hf_config)
     c = hf_config
+    if getattr(c, "text_config", None) is not None and getattr(c, "hidden_size", None) is None:
+        raise ValueError(f"{arch} with a multimodal config (model_type {getattr(c, 'model_type', '?')!r}: a "
+                         "text_config inside) is not supported; text-only checkpoints are")
     unsupported = _unsupported_features(c, arch)
     if unsupported:
         raise ValueError(f"{arch} with {', '.join(unsupported)} is not supported")

@@ -186,3 +186,14 @@ def test_both_expert_paths_equal_a_numpy_mixture(normalize):
         got = jax.jit(lambda *a, g=grouped: moe_mlp(*a, top_k=k, normalize=normalize, grouped=g))(
             jnp.asarray(x), jnp.asarray(router), jnp.asarray(wgu), jnp.asarray(wd))
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+
+
+def test_gemma3_configs_it_cannot_run_are_refused_by_name():
+    """The multimodal Gemma 3 config (a text_config inside) and sliding layers without a window are named."""
+    multimodal = transformers.Gemma3Config(architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ValueError, match="multimodal"):
+        registry.model_config_from_hf("x", multimodal, "float32")
+    windowless = transformers.Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], num_hidden_layers=2)
+    windowless.sliding_window = None
+    with pytest.raises(ValueError, match="no sliding_window"):
+        registry.model_config_from_hf("x", windowless, "float32")
