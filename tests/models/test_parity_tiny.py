@@ -24,8 +24,16 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 256, size=n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("layout", ["per-layer", "stacked", "packed"])  # CPU and GPU weight layouts; packed: the
-@pytest.mark.parametrize("arch", ARCHS + VARIANT_ARCHS)               # CPU kernels' (dense on packed weights)
+# CPU and GPU weight layouts; packed: the CPU kernels' (dense on packed weights, the C++ attention and rotary
+# tables). The variants per layer, and in the other layouts where they take another path there (the CPU rotary
+# tables of partial / LongRoPE / YaRN RoPE, the CPU attention's scale, stacked experts, Gemma 3's refusal).
+LOGIT_CASES = ([(a, layout) for a in ARCHS for layout in ("per-layer", "stacked", "packed")]
+               + [(a, "per-layer") for a in VARIANT_ARCHS]
+               + [(a, "packed") for a in ("phi3-longrope", "qwen2-yarn", "granite", "qwen3-moe")]
+               + [(a, "stacked") for a in ("qwen2-moe", "gemma3")])
+
+
+@pytest.mark.parametrize("arch,layout", LOGIT_CASES)
 def test_last_position_logits_match_hf(arch, tiny_model_dir, layout):
     path = tiny_model_dir(arch)
     hf = load_hf_model(path)
@@ -67,7 +75,8 @@ def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir, monkeyp
 
 
 @pytest.mark.parametrize("arch,async_scheduling", [(a, s) for a in ARCHS for s in (True, False)]
-                         + [(a, True) for a in VARIANT_ARCHS],
+                         + [(a, True) for a in ("gemma2", "gemma3", "phi3-longrope", "qwen3-moe")],  # (engine
+                         # paths of their own: the attention swap, per-layer windows, CPU rotary tables, experts)
                          ids=lambda x: {True: "async", False: "sync"}.get(x, x) if isinstance(x, bool) else x)
 def test_batched_greedy_matches_hf_token_for_token(arch, tiny_model_dir, async_scheduling):
     path = tiny_model_dir(arch)
