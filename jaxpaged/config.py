@@ -50,7 +50,8 @@ class ModelConfig:
     # variations of the Llama block other families make (registry.model_config_from_hf reads them)
     hidden_act: str = "silu"  # the gated MLP's activation: "silu", "gelu" (erf) or "gelu_tanh"
     norm_offset: float = 0.0  # RMSNorms scale by (offset + weight), in float32 (Gemma: 1)
-    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden), Granite: embedding_multiplier)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden) in the weights' dtype, Granite:
+    # embedding_multiplier)
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Granite: attention_multiplier)
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpaged.request import check_cache_salt
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.structured.grammar import compile_grammar
 
@@ -83,8 +84,10 @@ def cache_salt_from(body: dict) -> str | None:
     """vLLM's `cache_salt`: a non-empty string giving the request a prefix cache of its own (shared only with
     requests that send the same salt), or None."""
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise APIError("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+    try:
+        check_cache_salt(salt)
+    except ValueError as e:
+        raise APIError(str(e), param="cache_salt") from None
     return salt
 
 

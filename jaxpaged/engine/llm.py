@@ -18,11 +18,6 @@ from jaxpaged.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
-def _normalize_prompts(prompts) -> list[str | list[int]]:
-    """str | list[int] | dict | a list of those -> a list of str or token-id lists."""
-    return _split_prompts(prompts)[0]
-
-
 def _split_prompts(prompts) -> tuple[list[str | list[int]], list[str | None]]:
     """str | list[int] | dict | a list of those -> (str or token-id lists, each one's `cache_salt` or None).
     A dict prompt is vLLM's TextPrompt / TokensPrompt: 'prompt' or 'prompt_token_ids', optional 'cache_salt'."""

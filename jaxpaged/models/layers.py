@@ -68,8 +68,8 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
     grouped (the default off CPUs): the T * top_k (token, expert) pairs sorted by expert, each expert's run
     multiplied by its weights in one grouped matmul (`lax.ragged_dot`), the results added back to their tokens:
     top_k MLPs a token. Else (CPUs) every expert on every token, batched over experts, weighted by the router's
-    (zero for the experts not chosen): XLA:CPU runs ragged_dot 1.2-6x slower than that (2026-12-05, 8-256
-    tokens, 8-32 experts; a step reads every expert's weights either way once T * top_k passes X).
+    (zero for the experts not chosen): XLA:CPU ran the grouped form 2.0-6.5x slower than that
+    (`python -m jaxpaged.bench.moe_paths`, 2026-12-05: 8-256 tokens, 8-32 experts, float32; README).
     Each expert's output (in the activations' dtype, as a matmul returns it) is weighted and summed in float32,
     rounded once; round_weights: the router weights rounded to the activations' dtype first (Qwen-MoE's router
     does; Mixtral's keeps float32). w_gate_up's last axis: `shards` groups of [gate part | up part], as
@@ -123,6 +123,12 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _scaling_factor(scaling: dict[str, Any], max_position_embeddings: int) -> float:
+    """yarn's / longrope's context factor: the config's, else max_position_embeddings / the original length."""
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    return float(scaling.get("factor") or max_position_embeddings / original)
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
     """What cos and sin are multiplied by (transformers' `attention_scaling`): 1 but for yarn and longrope."""
     rope_type = rope_type_of(scaling)
@@ -130,14 +136,13 @@ def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embedding
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    factor = _scaling_factor(scaling, max_position_embeddings)
     if rope_type == "yarn":
-        factor = float(scaling.get("factor") or max_position_embeddings / scaling["original_max_position_embeddings"])
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
         if mscale and mscale_all_dim:
             return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         return yarn_mscale(factor)
     original = scaling.get("original_max_position_embeddings") or max_position_embeddings
-    factor = float(scaling.get("factor") or max_position_embeddings / original)
     return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
@@ -145,7 +150,7 @@ def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any], max_position
     """YaRN: interpolated (divided by factor) below the low-frequency bound, extrapolated (as is) above the
     high one, a linear ramp between (transformers' `_compute_yarn_parameters`)."""
     original = scaling["original_max_position_embeddings"]
-    factor = float(scaling.get("factor") or max_position_embeddings / original)
+    factor = _scaling_factor(scaling, max_position_embeddings)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

@@ -123,9 +123,7 @@ def forward(
     local_angles = angles if cfg.local_rope_theta is None else model_rope_angles(
         meta.positions, cfg.rope_dim, cfg.local_rope_theta, None, cfg.max_position_embeddings, cpu_kernel=cpu_rope)
     x = params["embed"][token_ids]  # [T, E]
-    if cfg.embed_scale != 1.0 and cfg.norm_offset:  # (Gemma: the scale rounded to the table's dtype, as HF does)
-        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-    elif cfg.embed_scale != 1.0:  # (Granite: a float32 product rounded once, as torch's bf16 x scalar)
+    if cfg.embed_scale != 1.0:  # (a float32 product rounded once, as torch's bf16 x scalar)
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(x.dtype)
     x = x.astype(cfg.compute_dtype)
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
@@ -134,13 +132,11 @@ def forward(
     def scaled(y):  # a block's output into the residual stream: Granite's residual_multiplier, a float32 product
         return y if cfg.residual_scale == 1.0 else (y.astype(jnp.float32) * cfg.residual_scale).astype(y.dtype)
 
-    def kind(i: int):  # layer i's sliding window and rotary tables
+    def kind(i: int):  # layer i's sliding window and rotary tables (the local ones where it has a window)
         window = cfg.window_of(i)
-        return window, local_angles if cfg.layer_windows is not None and window is not None else angles
+        return window, angles if window is None else local_angles
 
-    def layer(carry, xs, window=None, angles=None):  # (window, angles: the layer's kind's; None: layer 0's)
-        if angles is None:
-            window, angles = kind(0)
+    def layer(carry, xs, window, angles):
         x, pool = carry
         w, idx = xs
         y = rms_norm(x, w["input_norm"], eps, offset)
@@ -194,7 +190,7 @@ def forward(
         if not cfg.uniform_layers:
             raise ValueError("layers of different kinds (sliding and full attention) need the per-layer layout")
         xs = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+        (x, kv_pool), _ = jax.lax.scan(lambda c, xs: layer(c, xs, *kind(0)), (x, kv_pool), xs)
     return rms_norm(x, params["final_norm"], eps, offset), kv_pool
 
 

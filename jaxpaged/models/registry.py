@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import mesh_size, replicate_kv_heads
@@ -122,7 +123,7 @@ def _rope(hf_config, layer_type: str | None = None) -> tuple[float, dict[str, An
         if original is None:
             raise ValueError(f"rope_type {rope_type!r} needs original_max_position_embeddings in the config")
         params["original_max_position_embeddings"] = int(original)
-    if rope_type != "default" and rope_type not in ROPE_TYPES:
+    if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     return theta, (None if rope_type == "default" else params), partial
 
@@ -262,7 +263,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
         eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
         activation_dtype=activation_dtype_for(dtype), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         hidden_act=_activation(c, arch), norm_offset=1.0 if gemma else 0.0,
-        embed_scale=(c.hidden_size ** 0.5 if gemma
+        embed_scale=(float(np.asarray(c.hidden_size ** 0.5, jax.numpy.dtype(dtype))) if gemma  # (HF rounds it)
                      else float(getattr(c, "embedding_multiplier", 1.0)) if granite else 1.0),
         residual_scale=float(getattr(c, "residual_multiplier", 1.0)) if granite else 1.0,
         attention_scale=float(c.attention_multiplier) if granite else None,

@@ -125,7 +125,7 @@ _FUSED_HF = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "sel
 
 def _split_fused(cfg: ModelConfig, name: str, load: Callable[[], np.ndarray]):
     """(name, loader) pairs for one checkpoint tensor: itself, or a fused projection's parts (q | k | v rows,
-    gate | up rows), each loading the whole tensor and slicing its rows."""
+    gate | up rows), slices of the tensor read once."""
     stem, _, kind = name.rpartition(".")
     fused = next((f for f in _FUSED_HF if stem.endswith("." + f)), None)
     if fused is None:

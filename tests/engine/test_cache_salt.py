@@ -40,7 +40,7 @@ def test_a_salt_sees_only_its_own_cached_blocks(llm):
     assert kv.num_cached_prefix_tokens(PROMPT, "tenant-c") == 0
 
 
-def test_samples_of_a_salted_prompt_share_its_blocks(llm):
+def test_a_salted_prompts_samples_cache_its_blocks_under_the_salt(llm):
     out = run(llm, "tenant-n", n=3)
     assert len(out.outputs) == 3 and out.num_cached_tokens == 0
     assert run(llm, "tenant-n").num_cached_tokens == 32
