@@ -62,16 +62,15 @@ def paged_attention(
     kernel through the Pallas interpreter (CPU tests); "cpu": the C++ kernel for CPUs, reading the pool
     as the Pallas kernel does. `max_query_len` (static, optional): no sequence
     has more new tokens than this; the reference path then reads fewer new keys per token. softcap: scores
-    squashed to softcap * tanh(score / softcap) (Gemma 2); only the reference path has it.
+    squashed to softcap * tanh(score / softcap) (Gemma 2), on every backend.
     """
-    if softcap and backend != "reference":
-        raise ValueError(f"attention logit soft-capping runs on the 'reference' attention backend, not {backend!r}")
     if backend in ("pallas", "pallas-interpret"):
         return ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
-                                      sliding_window=sliding_window, interpret=backend == "pallas-interpret")
+                                      sliding_window=sliding_window, softcap=softcap,
+                                      interpret=backend == "pallas-interpret")
     if backend == "cpu":
         return ragged_paged_attention_cpu(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
-                                          sliding_window=sliding_window)
+                                          sliding_window=sliding_window, softcap=softcap)
     if backend != "reference":
         raise ValueError(f"attention backend {backend!r} is not one of reference, pallas, pallas-interpret, cpu")
     return split_ragged_paged_attention(

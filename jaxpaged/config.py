@@ -7,7 +7,6 @@ turns them into frozen config dataclasses once the model is known.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -260,17 +259,6 @@ def resolve_attention_backend(name: str) -> str:
         raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the CPU kernels "
                          "(attention and rotary tables; see the log); use 'auto' or 'reference'")
     return resolve_kernel_backend(name)
-
-
-def attention_backend_for(backend: str, model_config: ModelConfig) -> str:
-    """The resolved attention backend, or the plain-JAX one where the model needs what only it has (Gemma 2's
-    soft-capped attention scores)."""
-    if model_config.attn_softcap and backend != "reference":
-        logging.getLogger(__name__).warning(
-            "%s soft-caps attention scores, which only the plain-JAX attention does: using attention_backend "
-            "'reference' instead of %r", model_config.architecture, backend)
-        return "reference"
-    return backend
 
 
 def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:

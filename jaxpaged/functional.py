@@ -30,7 +30,6 @@ from jaxpaged.config import (
     DTYPES,
     KERNEL_BACKENDS,
     ModelConfig,
-    attention_backend_for,
     kv_pool_dtype,
     platform_is_gpu,
     resolve_attention_backend,
@@ -95,7 +94,6 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     attention_backend = resolve_attention_backend(attention_backend)  # a bad name raises here, before loading
     path = model or default_model_path()
     model_config = model_config_from_hf(path, load_hf_config(path), dtype)
-    attention_backend = attention_backend_for(attention_backend, model_config)
     params = model_params(model_config, load_weights(model_config, load_format), per_layer=per_layer)
     return Config(model_config, attention_backend, resolve_kernel_backend(sampler_backend)), params
 

@@ -37,13 +37,16 @@ def ragged_paged_attention_cpu(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "T H D"]:
-    """Attention of each token over its sequence's keys 0..positions[t], in float32, returned in q's dtype."""
+    """Attention of each token over its sequence's keys 0..positions[t], in float32, returned in q's dtype;
+    softcap: scores squashed to softcap * tanh(score / softcap) first (Gemma 2)."""
     check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions)
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built on this machine (see the log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), kv_pool, jnp.asarray(layer, jnp.int32).reshape(()),
                block_tables.astype(jnp.int32), token_seq.astype(jnp.int32), positions.astype(jnp.int32),
-               sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0))
+               sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+               softcap=np.float32(softcap or 0))
     return out.astype(q.dtype)

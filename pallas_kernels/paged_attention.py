@@ -85,8 +85,10 @@ def reference_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     kv_chunk: int = 128,
+    softcap: float | None = None,
 ) -> Float[Array, "T H D"]:
-    """Attention of each token over keys [0, positions[t]] of sequence token_seq[t], float32 softmax."""
+    """Attention of each token over keys [0, positions[t]] of sequence token_seq[t], float32 softmax; softcap:
+    scores squashed to softcap * tanh(score / softcap) first (Gemma 2)."""
     check_paged_attention_args(q, kv_pool, block_tables, token_seq, positions, kv_chunk)
     t, h, d = q.shape
     block_size, kh = kv_pool.shape[3], kv_pool.shape[4]
@@ -102,6 +104,8 @@ def reference_ragged_paged_attention(
         k = decode(kv_pool[layer, 0, ids]).reshape(t, kv_chunk, kh, d)  # [T, C, KH, D] float32
         v = decode(kv_pool[layer, 1, ids]).reshape(t, kv_chunk, kh, d)
         s = jnp.einsum("tkgd,tckd->tkgc", qg, k)  # [T, KH, G, C]
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
         key_pos = c * kv_chunk + jnp.arange(kv_chunk)
         visible = key_pos[None, :] <= positions[:, None]  # [T, C]
         if sliding_window is not None:
@@ -152,6 +156,7 @@ def _ragged_paged_attention_kernel(
     tile_start_ref, tile_len_ref, token_seq_ref, positions_ref, tables_ref, layer_ref, q_ref, pool_ref,  # inputs
     *out_refs,  # o [KH, rows, D]; with num_splits > 1, each split's float32 acc [S, KH, rows, D], m and l [S, KH, rows]
     block_q: int, group_pad: int, sm_scale: float, sliding_window: int | None, kv_blocks: int, num_splits: int,
+    softcap: float | None,
 ):
     """One program: query tile pl.program_id(0) (block_q tokens x group_pad heads) of KV head pl.program_id(1),
     over its context kv_blocks blocks per step; with num_splits > 1, split pl.program_id(2) of that walk."""
@@ -195,6 +200,8 @@ def _ragged_paged_attention_kernel(
                 k = decode(plgpu.load(pool_ref.at[layer, 0, blk, off, head, col], mask=seen, other=0), q.dtype)
                 v = decode(plgpu.load(pool_ref.at[layer, 1, blk, off, head, col], mask=seen, other=0), q.dtype)
             s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [M, C]
+            if softcap:
+                s = softcap * jnp.tanh(s / softcap)
             key_pos = c * chunk + jax.lax.iota(jnp.int32, chunk)
             visible = key_pos[None, :] <= pos[:, None]
             if sliding_window is not None:
@@ -270,6 +277,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     block_m: int | None = None,
     kv_blocks: int | None = None,
     num_splits: int | None = None,
@@ -289,6 +297,7 @@ def ragged_paged_attention(
         tokens are one contiguous run of rows (positions within it in any order).
       positions: [T] each token's position; it sees keys at positions <= its own.
       sm_scale: the softmax scale (static). sliding_window: keys within this many positions (static).
+      softcap: scores squashed to softcap * tanh(score / softcap) before the softmax (static; Gemma 2).
       block_m: query rows per tile (tokens x padded group), a power of two >= 16.
       kv_blocks: KV blocks a program reads per step of its walk over the context (a power of two): larger
         loads per step (the block ids gathered from the table) for small blocks and heads.
@@ -317,15 +326,15 @@ def ragged_paged_attention(
     if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:
         raise ValueError(f"kv_blocks must be a power of two and num_splits >= 1, got {kv_blocks}, {num_splits}")
     return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
-                                   sliding_window=sliding_window, block_m=block_m, kv_blocks=kv_blocks,
-                                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                                   interpret=interpret)
+                                   sliding_window=sliding_window, softcap=softcap or None, block_m=block_m,
+                                   kv_blocks=kv_blocks, num_splits=num_splits, num_warps=num_warps,
+                                   num_stages=num_stages, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "block_m", "kv_blocks", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "softcap", "block_m", "kv_blocks",
+                                             "num_splits", "num_warps", "num_stages", "interpret"))
 def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, *, sm_scale, sliding_window,
-                            block_m, kv_blocks, num_splits, num_warps, num_stages, interpret):
+                            softcap, block_m, kv_blocks, num_splits, num_warps, num_stages, interpret):
     t, h, d = q.shape
     kh = kv_pool.shape[4]
     group = h // kh
@@ -347,7 +356,7 @@ def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, position
         tables = jnp.pad(tables, ((0, 0), (0, kv_blocks - tables.shape[1] % kv_blocks)))
     kernel = functools.partial(_ragged_paged_attention_kernel, block_q=block_q, group_pad=group_pad,
                                sm_scale=sm_scale, sliding_window=sliding_window, kv_blocks=kv_blocks,
-                               num_splits=num_splits)
+                               num_splits=num_splits, softcap=softcap)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((kh, tp * group_pad, d), q.dtype)
     else:

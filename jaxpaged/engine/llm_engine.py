@@ -25,7 +25,6 @@ from jaxpaged.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
-    attention_backend_for,
     platform_is_gpu,
     resolve_attention_backend,
     resolve_kernel_backend,
@@ -175,7 +174,7 @@ class LLMEngine:
         """
         path, model_config, tokenizer, sched, draft_config = setup or prepare_model(args)
         t0 = time.perf_counter()
-        attention_backend = attention_backend_for(resolve_attention_backend(args.attention_backend), model_config)
+        attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
         model, models, draft_model, param_bytes = None, None, None, 0
         blocks = kv_pool = None
@@ -198,7 +197,7 @@ class LLMEngine:
                             "(bf16 weights, float32 activations; greedy outputs differ slightly from float32's)")
             if draft_config is not None:
                 draft_model = build_model(draft_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
-                                          attention_backend=attention_backend_for(attention_backend, draft_config))
+                                          attention_backend=attention_backend)
                 logger.info("Loaded the draft model %s (%s, %d layers)", draft_config.model, draft_config.architecture,
                             draft_config.num_layers)
             if is_fp8(args.resolved_kv_dtype()) and args.calculate_kv_scales:

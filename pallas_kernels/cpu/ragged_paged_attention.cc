@@ -14,7 +14,8 @@
 // bf16 <- uint16, f16 <- int16, f8e4m3fn <- uint8, f8e5m2 <- int8 (and the float types themselves).
 //
 // Shapes: q f32[T, H, D]; kv_pool [L, 2, N, bs, KH, D]; layer s32[]; block_tables s32[S, B];
-// token_seq s32[T] (-1: padding, output 0); positions s32[T]. Output f32[T, H, D].
+// token_seq s32[T] (-1: padding, output 0); positions s32[T]. Output f32[T, H, D]. Attributes: sm_scale,
+// sliding_window (0: none), softcap (0: none; scores squashed to softcap * tanh(score / softcap), Gemma 2).
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +155,7 @@ struct Problem {
   int64_t num_blocks, block_size, kv_heads, head_dim, heads, table_width, layer;
   float sm_scale;
   int64_t sliding_window;  // 0: none
+  float softcap;           // 0: none; else scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 struct Tile {
@@ -241,6 +243,23 @@ inline vf reduce_lanes(const vf* t) {
   return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
          __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
+}
+
+// s[i] = cap * tanh(s[i] / cap) for n floats (n a multiple of kLanes): tanh(y) = (1 - e) / (1 + e), e = exp(-2|y|),
+// the sign put back; below |y| = 1/16 its odd Taylor polynomial to y^5 instead (relative error < 1e-8), where
+// 1 - e would lose digits.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vf y = load(s + i) * inv;
+    const vf a = y < 0.f ? -y : y;
+    const vf e = vexp_nonpositive(-2.f * a);
+    const vf big = (1.f - e) / (1.f + e);
+    const vf y2 = a * a;
+    const vf small = a * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15)));
+    const vf t = a < 0.0625f ? small : big;
+    store(s + i, (y < 0.f ? -t : t) * cap);
+  }
 }
 
 constexpr int kFewRows = 16;  // up to this many query vectors per KV head, scores come from per-key dot products
@@ -503,11 +522,13 @@ void run_item(const Problem& p, const Tile& tile) {
       float* lh = &l[h * rp];
       if (by_rows) {
         scores_by_rows<kNV>(&qs[h * rp * dd], rp, kp, s.data());
+        if (p.softcap > 0.f) soft_cap(s.data(), rp * kKeyChunk, p.softcap);
         softmax_by_rows(s.data(), rp, static_cast<int32_t>(k0), pos.data(), lo.data(), mh, lh, scale.data());
         accumulate<kNV>(&acc[h * rows * dd], rows, dd, scale.data(), s.data(), 1, rp, vp, n);
         continue;
       }
       scores<kNV>(&qs[h * rp * dd], rows, kp, dd, s.data());
+      if (p.softcap > 0.f) soft_cap(s.data(), rows * kKeyChunk, p.softcap);
       // Online softmax over the chunk, a row's keys a vector at a time: masked keys get weight 0; a row that
       // sees none of them keeps its state (scale 1, weights 0).
       for (int64_t r = 0; r < rows; ++r) {
@@ -568,7 +589,8 @@ using ItemFn = void (*)(const Problem&, const Tile&);
 ffi::Error RaggedPagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pool,
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
-                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
+                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
+                                float softcap) {
   const auto qd = q.dimensions(), pd = kv_pool.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: q must be 3-D, kv_pool 6-D, block_tables 2-D");
@@ -588,6 +610,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
   p.table_width = td[1];
   p.sm_scale = sm_scale;
   p.sliding_window = sliding_window;
+  p.softcap = softcap;
   p.layer = layer.typed_data()[0];
   if (pd[5] != p.head_dim || p.heads % p.kv_heads != 0 || p.layer < 0 || p.layer >= pd[0]) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes or layer out of range");
@@ -637,4 +660,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window"));
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("softcap"));

@@ -38,6 +38,24 @@ def test_split_attention_matches_pool_reference(case, window):
     assert np.isfinite(np.asarray(got)).all()
 
 
+@pytest.mark.parametrize("case", ["mixed", "long continuations", "many decodes"])
+def test_soft_capped_scores_match_the_reference(case):
+    """Gemma 2's soft-capped scores (cap * tanh(score / cap)), on every path of the split attention; a cap of 1.5
+    changes these outputs by ~0.1-1, so a path that skipped it would fail."""
+    x = make_step(np.random.default_rng(3), CASES[case])
+    layer = jnp.int32(1)
+    pool = write_kv(x["pool"], layer, x["k"], x["v"], x["slots"])
+    ref = lambda cap: reference_ragged_paged_attention(  # noqa: E731
+        x["q"], pool, layer, x["tables"], jnp.maximum(x["token_seq"], 0), x["positions"], sm_scale=0.5,
+        kv_chunk=32, softcap=cap)
+    got = split_ragged_paged_attention(x["q"], x["k"], x["v"], pool, layer, x["tables"], x["token_seq"],
+                                       x["positions"], x["decode_ctx"], x["seq_ctx"], x["cont_rows"],
+                                       sm_scale=0.5, kv_chunk=16, softcap=1.5)
+    n = x["real"]
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(ref(1.5)[:n]), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(ref(None)[:n]) - np.asarray(ref(1.5)[:n])).max() > 0.1
+
+
 def _check_against_reference(x, **kwargs):
     layer = jnp.int32(1)
     pool = write_kv(x["pool"], layer, x["k"], x["v"], x["slots"])

@@ -37,14 +37,14 @@ def kernel_built():
 needs_kernel = pytest.mark.usefixtures("kernel_built")
 
 
-def run_both(x, window=None):
+def run_both(x, window=None, softcap=None):
     pool = write_kv(x["pool"], LAYER, x["k"], x["v"], x["slots"])
     ref = reference_ragged_paged_attention(x["q"], pool, LAYER, x["tables"], jnp.maximum(x["token_seq"], 0),
                                            x["positions"], sm_scale=0.3, sliding_window=window,
-                                           kv_chunk=2 * pool.shape[3])
+                                           kv_chunk=2 * pool.shape[3], softcap=softcap)
     got = jax.jit(lambda q, pool: cpu_attention.ragged_paged_attention_cpu(
-        q, pool, LAYER, x["tables"], x["token_seq"], x["positions"], sm_scale=0.3, sliding_window=window))(
-        x["q"], pool)
+        q, pool, LAYER, x["tables"], x["token_seq"], x["positions"], sm_scale=0.3, sliding_window=window,
+        softcap=softcap))(x["q"], pool)
     n = x["real"]
     assert got.dtype == x["q"].dtype and got.shape == x["q"].shape
     np.testing.assert_array_equal(np.asarray(got[n:], np.float32), 0.0)  # padding rows
@@ -60,6 +60,18 @@ def test_kernel_matches_reference(case, group):
     x = make_step(np.random.default_rng(group), CASES[case], group=group, kh=2, d=64)
     got, ref = run_both(x)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("group,d", [(1, 64), (8, 64), (8, 16)])  # per-key dots, transposed rows, scalar path
+@needs_kernel
+def test_soft_capped_scores(group, d):
+    """Gemma 2's cap * tanh(score / cap) on each score path, scores from tiny (the polynomial) to past the cap;
+    the cap changes these outputs (checked), so a kernel that skipped it would fail."""
+    x = make_step(np.random.default_rng(group + d), CASES["long prefill"], group=group, kh=2, d=d)
+    got, ref = run_both(x, softcap=2.0)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    uncapped, _ = run_both(x)
+    assert np.abs(uncapped - got).max() > 0.05
 
 
 @pytest.mark.parametrize("d,block_size,window", [(16, 16, None), (80, 16, None), (128, 32, None), (64, 32, 20),

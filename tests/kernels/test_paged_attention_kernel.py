@@ -25,7 +25,8 @@ CASES = {
 def run_both(x, window=None, **kw):
     pool = write_kv(x["pool"], LAYER, x["k"], x["v"], x["slots"])
     ref = reference_ragged_paged_attention(x["q"], pool, LAYER, x["tables"], jnp.maximum(x["token_seq"], 0),
-                                           x["positions"], sm_scale=0.3, sliding_window=window, kv_chunk=32)
+                                           x["positions"], sm_scale=0.3, sliding_window=window, kv_chunk=32,
+                                           softcap=kw.get("softcap"))
     got = ragged_paged_attention(x["q"], pool, LAYER, x["tables"], x["token_seq"], x["positions"], sm_scale=0.3,
                                  sliding_window=window, interpret=True, **kw)
     n = x["real"]
@@ -51,6 +52,17 @@ def test_wider_steps_and_split_contexts_match_reference(case, kv_blocks, num_spl
     x = make_step(np.random.default_rng(kv_blocks + num_splits), CASES[case], group=3, kh=2, d=16)
     got, ref = run_both(x, kv_blocks=kv_blocks, num_splits=num_splits)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_blocks,num_splits", [(1, 1), (4, 2)])
+def test_soft_capped_scores(kv_blocks, num_splits):
+    """Gemma 2's cap * tanh(score / cap) before the softmax, in every step form; the cap changes these outputs
+    (checked), so a kernel that skipped it would fail."""
+    x = make_step(np.random.default_rng(5), CASES["mixed"], group=2, kh=2, d=16)
+    got, ref = run_both(x, softcap=1.0, kv_blocks=kv_blocks, num_splits=num_splits)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    uncapped, _ = run_both(x, kv_blocks=kv_blocks, num_splits=num_splits)
+    assert np.abs(uncapped - got).max() > 0.05
 
 
 def test_wider_steps_and_splits_with_a_window_and_narrow_pool():
@@ -148,6 +160,17 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
         name = f"ragged_paged_attention_m{block_m}" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "") + (
             f"_split{num_splits}" if num_splits > 1 else "")
         assert re.search(re.escape(name) + r"(?!_)\b", text), name  # that variant was lowered
+
+
+def test_soft_capped_kernel_lowers_for_cuda():
+    """Gemma 2 2B's heads (8 / 4, head_dim 256) with its attention cap of 50, a decode and a prefill shape."""
+    spec = jax.ShapeDtypeStruct
+    for t, s in ((64, 64), (512, 8)):
+        args = (spec((t, 8, 256), jnp.bfloat16), spec((2, 2, 256, 16, 4, 256), jnp.bfloat16), spec((), jnp.int32),
+                spec((s, 32), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
+        text = lower_for_cuda(lambda *a: ragged_paged_attention(*a, sm_scale=0.0625, softcap=50.0,
+                                                                sliding_window=4096), *args)
+        assert "ragged_paged_attention_m" in text
 
 
 def test_variant_from_the_environment(monkeypatch):

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.config import attention_backend_for
 from jaxpaged.models import build_model, llama, load_hf_config, model_config_from_hf
 from pallas_kernels import cpu_dense
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits
@@ -29,7 +28,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 # tables of partial / LongRoPE / YaRN RoPE, the CPU attention's scale, stacked experts, Gemma 3's refusal).
 LOGIT_CASES = ([(a, layout) for a in ARCHS for layout in ("per-layer", "stacked", "packed")]
                + [(a, "per-layer") for a in VARIANT_ARCHS]
-               + [(a, "packed") for a in ("phi3-longrope", "qwen2-yarn", "granite", "qwen3-moe")]
+               + [(a, "packed") for a in ("phi3-longrope", "qwen2-yarn", "granite", "qwen3-moe", "gemma2")]
                + [(a, "stacked") for a in ("qwen2-moe", "gemma3")])
 
 
@@ -47,7 +46,6 @@ def test_last_position_logits_match_hf(arch, tiny_model_dir, layout):
             build_model(cfg, per_layer=False)
         assert isinstance(build_model(cfg).params()["layers"], list)
         return
-    backend = attention_backend_for(backend, cfg)  # (Gemma 2's soft-capped scores: the plain-JAX attention)
     model = build_model(cfg, per_layer=per_layer, attention_backend=backend)
     assert isinstance(model.params()["layers"], list) == per_layer
     assert not per_layer or (model.params()["layers"][0]["wqkv"].ndim == 3) == (backend == "cpu")
