@@ -153,21 +153,24 @@ def query_tiles(token_seq: Int[Array, "T"], block_q: int, num_tiles: int):
 
 
 def _ragged_paged_attention_kernel(
-    tile_start_ref, tile_len_ref, token_seq_ref, positions_ref, tables_ref, layer_ref, q_ref, pool_ref,  # inputs
+    tile_start_ref, tile_len_ref, tile_splits_ref, token_seq_ref, positions_ref, tables_ref, layer_ref, q_ref,
+    pool_ref,  # inputs
     *out_refs,  # o [KH, rows, D]; with num_splits > 1, each split's float32 acc [S, KH, rows, D], m and l [S, KH, rows]
     block_q: int, group_pad: int, sm_scale: float, sliding_window: int | None, kv_blocks: int, num_splits: int,
     softcap: float | None,
 ):
     """One program: query tile pl.program_id(0) (block_q tokens x group_pad heads) of KV head pl.program_id(1),
-    over its context kv_blocks blocks per step; with num_splits > 1, split pl.program_id(2) of that walk."""
+    over its context kv_blocks blocks per step; with num_splits > 1, split pl.program_id(2) of that walk, of the
+    tile's tile_splits_ref[tile] (the programs of higher splits do nothing)."""
     tile, head = pl.program_id(0), pl.program_id(1)
     split = pl.program_id(2) if num_splits > 1 else 0  # (read here: the interpreter maps program ids at top level)
     rows = block_q * group_pad
     block_size = pool_ref.shape[3]
     chunk = kv_blocks * block_size  # context tokens per step of the walk
     start, length = tile_start_ref[tile], tile_len_ref[tile]
+    splits = tile_splits_ref[tile] if num_splits > 1 else 1
 
-    @pl.when(length > 0)
+    @pl.when((length > 0) & (split < splits))
     def _():
         seq = token_seq_ref[start]
         layer = layer_ref[0]
@@ -182,7 +185,7 @@ def _ragged_paged_attention_kernel(
             first = jnp.maximum(lowest - sliding_window + 1, 0) // chunk
         end = last // chunk + 1
         if num_splits > 1:  # this program's share of the steps [first, end)
-            per = (end - first + num_splits - 1) // num_splits
+            per = (end - first + splits - 1) // splits
             first = first + split * per
             end = jnp.minimum(first + per, end)
 
@@ -240,7 +243,7 @@ def default_variant(head_dim: int, block_size: int = 16) -> dict[str, int]:
     block_size. No split: 8 splits are fastest at 64 and 256 sequences of 8k (0.82x / 0.97x the time of these
     at 64 x 8k) and lose at 512 x 1k, and a step's split count is static while its contexts are not."""
     keys = 128 if head_dim <= 64 else 64
-    return {"kv_blocks": max(1, keys // block_size), "num_splits": 1}
+    return {"kv_blocks": max(1, keys // block_size), "num_splits": 1, "fill_programs": 0}
 
 
 def default_block_m(num_tokens: int, num_seqs: int) -> int:
@@ -254,15 +257,16 @@ def default_block_m(num_tokens: int, num_seqs: int) -> int:
 
 
 def kernel_variant(head_dim: int, block_size: int = 16, num_tokens: int = 1, num_seqs: int = 1) -> dict[str, int]:
-    """The Triton kernel's kv_blocks, num_splits and block_m where a call leaves them out: `default_variant`
-    and `default_block_m`, or as $JAXPAGED_PALLAS_ATTENTION sets them, e.g. "kv_blocks=8,num_splits=4,block_m=16"
-    (read when a step is traced: to time the engine with a variant `jaxpaged bench kernels --tune` found
-    faster)."""
+    """The Triton kernel's kv_blocks, num_splits, fill_programs and block_m where a call leaves them out:
+    `default_variant` and `default_block_m`, or as $JAXPAGED_PALLAS_ATTENTION sets them, e.g.
+    "kv_blocks=8,num_splits=8,fill_programs=2048,block_m=16" (read when a step is traced: to time the engine with
+    a variant `jaxpaged bench kernels --tune` found faster)."""
     variant = {**default_variant(head_dim, block_size), "block_m": default_block_m(num_tokens, num_seqs)}
     for item in filter(None, os.environ.get(VARIANT_ENV, "").replace(" ", "").split(",")):
         key, _, value = item.partition("=")
         if key not in variant or not value.isdigit():
-            raise ValueError(f"${VARIANT_ENV}: expected kv_blocks=N,num_splits=N,block_m=N, got {item!r}")
+            raise ValueError(f"${VARIANT_ENV}: expected kv_blocks=N,num_splits=N,fill_programs=N,block_m=N, "
+                             f"got {item!r}")
         variant[key] = int(value)
     return variant
 
@@ -281,6 +285,7 @@ def ragged_paged_attention(
     block_m: int | None = None,
     kv_blocks: int | None = None,
     num_splits: int | None = None,
+    fill_programs: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -303,7 +308,11 @@ def ragged_paged_attention(
         loads per step (the block ids gathered from the table) for small blocks and heads.
       num_splits: programs per (tile, KV head), each walking a share of the context (flash-decoding), their
         float32 partial results combined after: more programs in flight for few, long sequences.
-        These three default to `kernel_variant(head_dim, block_size, T, S)` (tuned on an H200 unless
+      fill_programs: with num_splits > 1, 0 splits every tile num_splits ways; N > 0 splits each tile only as
+        far as needed for about N programs in all (over the step's non-empty tiles x KV heads, at most
+        num_splits, each split at least 2 steps of the walk), so a step of many or short sequences runs
+        unsplit and one of few long ones split, with static shapes: the count is read in the kernel.
+        These four default to `kernel_variant(head_dim, block_size, T, S)` (tuned on an H200 unless
         $JAXPAGED_PALLAS_ATTENTION says otherwise).
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [T, H, D] in q's dtype.
@@ -315,26 +324,30 @@ def ragged_paged_attention(
         runs = seqs[np.r_[True, seqs[1:] != seqs[:-1]]]  # first token of each run
         if len(runs) != len(np.unique(runs)):
             raise ValueError("token_seq: each sequence's tokens must be one contiguous run of rows")
-    if block_m is None or kv_blocks is None or num_splits is None:
+    if block_m is None or kv_blocks is None or num_splits is None or fill_programs is None:
         variant = kernel_variant(q.shape[2], kv_pool.shape[3], q.shape[0], block_tables.shape[0])
         block_m = variant["block_m"] if block_m is None else block_m
         kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
         num_splits = variant["num_splits"] if num_splits is None else num_splits
+        fill_programs = variant["fill_programs"] if fill_programs is None else fill_programs
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
-    if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1:
-        raise ValueError(f"kv_blocks must be a power of two and num_splits >= 1, got {kv_blocks}, {num_splits}")
+    if kv_blocks < 1 or kv_blocks & (kv_blocks - 1) or num_splits < 1 or fill_programs < 0:
+        raise ValueError(f"kv_blocks must be a power of two, num_splits >= 1 and fill_programs >= 0, got "
+                         f"{kv_blocks}, {num_splits}, {fill_programs}")
     return _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, sm_scale=sm_scale,
                                    sliding_window=sliding_window, softcap=softcap or None, block_m=block_m,
-                                   kv_blocks=kv_blocks, num_splits=num_splits, num_warps=num_warps,
+                                   kv_blocks=kv_blocks, num_splits=num_splits, fill_programs=fill_programs,
+                                   num_warps=num_warps,
                                    num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "softcap", "block_m", "kv_blocks",
-                                             "num_splits", "num_warps", "num_stages", "interpret"))
+                                             "num_splits", "fill_programs", "num_warps", "num_stages", "interpret"))
 def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, positions, *, sm_scale, sliding_window,
-                            softcap, block_m, kv_blocks, num_splits, num_warps, num_stages, interpret):
+                            softcap, block_m, kv_blocks, num_splits, fill_programs, num_warps, num_stages,
+                            interpret):
     t, h, d = q.shape
     kh = kv_pool.shape[4]
     group = h // kh
@@ -363,6 +376,11 @@ def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, position
         out_shape = (jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad, d), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, kh, tp * group_pad), jnp.float32))
+    positions = positions.astype(jnp.int32)
+    tile_splits = jnp.full((num_tiles,), num_splits, jnp.int32)
+    if num_splits > 1 and fill_programs:
+        tile_splits = splits_per_tile(tile_start, tile_len, positions, kh, kv_blocks * kv_pool.shape[3],
+                                      num_splits, fill_programs, sliding_window)
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, kh) + ((num_splits,) if num_splits > 1 else ()),
@@ -370,19 +388,50 @@ def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, position
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_m{rows}" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "")
-        + (f"_split{num_splits}" if num_splits > 1 else ""),
-    )(tile_start, tile_len, pad_tok(token_seq, -1), pad_tok(positions.astype(jnp.int32), 0),
+        + (f"_split{num_splits}" if num_splits > 1 else "") + (f"_fill{fill_programs}" if num_splits > 1
+                                                                 and fill_programs else ""),
+    )(tile_start, tile_len, tile_splits, pad_tok(token_seq, -1), pad_tok(positions, 0),
       tables, jnp.reshape(layer, (1,)).astype(jnp.int32), qg, kv_pool)
     if num_splits > 1:
-        out = combine_splits(*out).astype(q.dtype)
+        tile_of_token = jnp.searchsorted(tile_start, jnp.arange(tp, dtype=jnp.int32), side="right") - 1
+        token_splits = jnp.where(jnp.arange(tp) < t, tile_splits[jnp.clip(tile_of_token, 0, num_tiles - 1)], 1)
+        written = jnp.arange(num_splits)[:, None] < jnp.repeat(token_splits, group_pad)[None, :]  # [S, rows]
+        out = combine_splits(*out, written[:, None, :]).astype(q.dtype)
     out = out.reshape(kh, tp, group_pad, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return jnp.where((token_seq >= 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def combine_splits(acc: Float[Array, "S KH R D"], m: Float[Array, "S KH R"], l: Float[Array, "S KH R"]
-                   ) -> Float[Array, "KH R D"]:
+def splits_per_tile(tile_start: Int[Array, "N"], tile_len: Int[Array, "N"], positions: Int[Array, "T"],
+                    kv_heads: int, chunk: int, num_splits: int, fill_programs: int, sliding_window: int | None
+                    ) -> Int[Array, "N"]:
+    """How many programs split each query tile's walk over its context: enough for ~fill_programs programs over
+    the non-empty tiles x KV heads, at most num_splits, and no more than gives each split 2 steps of `chunk`
+    keys (a short context runs whole)."""
+    t = positions.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    tile_of_token = jnp.searchsorted(tile_start, rows, side="right") - 1
+    in_tile = (tile_of_token >= 0) & (rows < tile_start[jnp.maximum(tile_of_token, 0)]
+                                      + tile_len[jnp.maximum(tile_of_token, 0)])
+    last = jax.ops.segment_max(jnp.where(in_tile, positions, 0), jnp.where(in_tile, tile_of_token, 0),
+                               num_segments=tile_start.shape[0])  # [N] the tile's last position
+    keys = jnp.maximum(last, 0) + 1
+    if sliding_window is not None:
+        keys = jnp.minimum(keys, sliding_window + tile_len)
+    steps = (keys + chunk - 1) // chunk
+    busy = jnp.maximum(jnp.sum(tile_len > 0) * kv_heads, 1)
+    wanted = jnp.minimum((fill_programs + busy - 1) // busy, (steps + 1) // 2)
+    return jnp.clip(wanted, 1, num_splits).astype(jnp.int32)
+
+
+def combine_splits(acc: Float[Array, "S KH R D"], m: Float[Array, "S KH R"], l: Float[Array, "S KH R"],
+                   written: jax.Array | None = None) -> Float[Array, "KH R D"]:
     """Softmax-weighted merge of the splits' partial results (each over its own keys): rows no split saw
-    (padding) come out 0 or garbage, masked by the caller."""
+    (padding) come out 0 or garbage, masked by the caller. written: [S, 1 or KH, R] bool, False where a split's
+    program did not run (its outputs are left as they were: garbage, weighed 0)."""
+    if written is not None:
+        m = jnp.where(written, m, _MASKED)
+        l = jnp.where(written, l, 0.0)
+        acc = jnp.where(written[..., None], acc, 0.0)
     top = jnp.max(m, axis=0)  # [KH, R]
     w = jnp.exp(m - top)  # [S, KH, R]; an empty split (m = -1e30) weighs 0
     num = jnp.sum(w[..., None] * acc, axis=0)

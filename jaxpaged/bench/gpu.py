@@ -69,16 +69,15 @@ def _throughput_cmd(model: str, out: str, ns, *, extra: list[str]) -> list[str]:
 def _tuned_variant(path: str, head_dim: int) -> str | None:
     """$JAXPAGED_PALLAS_ATTENTION for the Triton variant the tune stage found fastest at head_dim, None where
     it found none faster than the default (or saved nothing)."""
-    from jaxpaged.bench.kernels import best_triton_variant
+    from jaxpaged.bench.kernels import best_triton_variant, variant_name, variant_settings
     from pallas_kernels.paged_attention import default_variant
 
     if not os.path.exists(path):
         return None
     best = best_triton_variant(json.load(open(path))["rows"], head_dim)
-    if best is None or best == "kv{kv_blocks}_split{num_splits}".format(**default_variant(head_dim, 16)):
+    if best is None or best == variant_name(**default_variant(head_dim, 16)):
         return None
-    kv_blocks, num_splits = best.removeprefix("kv").split("_split")
-    return f"kv_blocks={kv_blocks},num_splits={num_splits}"
+    return ",".join(f"{k}={v}" for k, v in variant_settings(best).items())
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -89,16 +89,29 @@ def attention_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: in
             jnp.asarray(positions, jnp.int32)), kv_bytes
 
 
-# (kv_blocks, num_splits) of the Pallas kernel timed by --tune on decode cases; the first is the baseline the
-# others are compared with (the defaults, `paged_attention.default_variant`, are the fastest of these on an H200)
-TUNE_CONFIGS = ((1, 1), (4, 1), (8, 1), (1, 4), (4, 4), (8, 8))
+# (kv_blocks, num_splits, fill_programs) of the Pallas kernel timed by --tune on decode cases; the first is the
+# baseline the others are compared with (the defaults, `paged_attention.default_variant`, were the fastest of the
+# static ones on an H200; 1 x 4 and 4 x 4 splits, timed then, never won; the fill_programs splits are untimed)
+TUNE_CONFIGS = ((1, 1, 0), (4, 1, 0), (8, 1, 0), (8, 8, 0), (4, 8, 2048), (8, 8, 1024), (8, 8, 4096))
+
+
+def variant_name(kv_blocks: int, num_splits: int, fill_programs: int = 0) -> str:
+    """A Triton attention variant's name in --tune's tables: "kv8_split8", "kv8_split8_fill1024"."""
+    return f"kv{kv_blocks}_split{num_splits}" + (f"_fill{fill_programs}" if fill_programs else "")
+
+
+def variant_settings(name: str) -> dict[str, int]:
+    """`variant_name`'s inverse: {"kv_blocks", "num_splits", "fill_programs"}."""
+    kv, _, rest = name.removeprefix("kv").partition("_split")
+    splits, _, fill = rest.partition("_fill")
+    return {"kv_blocks": int(kv), "num_splits": int(splits), "fill_programs": int(fill or 0)}
 MOSAIC_STAGES = (2, 4)  # the Mosaic GPU decode kernel's steps in flight, timed by --tune on sm90
 PREFILL_BLOCK_M = (16, 32, 64, 128)  # query rows per tile timed by --tune on prefill and mixed cases (16: default)
 
 
 def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = None, decode: bool = True) -> dict:
     """name -> jitted attention(q, pool, layer, tables, token_seq, positions) of each variant --tune times.
-    Decode: the Triton kernel's `TUNE_CONFIGS` ("kv{kv_blocks}_split{num_splits}") and on an sm90 GPU the
+    Decode: the Triton kernel's `TUNE_CONFIGS` (`variant_name`s) and on an sm90 GPU the
     Mosaic GPU decode kernel (one token per sequence: its length is the token's position + 1); prefill and
     mixed steps: the Triton kernel's query tile sizes `PREFILL_BLOCK_M` ("bm{block_m}", bigger tiles for
     the tensor cores). only: the names starting with one of these."""
@@ -106,8 +119,9 @@ def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = Non
         variants = {f"bm{bm}": jax.jit(lambda *a, bm=bm: ragged_paged_attention(
             *a, sm_scale=sm, block_m=bm, interpret=interpret)) for bm in PREFILL_BLOCK_M}
         return {k: v for k, v in variants.items() if only is None or k.startswith(only)}
-    variants = {f"kv{kb}_split{ns}": jax.jit(lambda *a, kb=kb, ns=ns: ragged_paged_attention(
-        *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, interpret=interpret)) for kb, ns in TUNE_CONFIGS}
+    variants = {variant_name(kb, ns, fp): jax.jit(lambda *a, kb=kb, ns=ns, fp=fp: ragged_paged_attention(
+        *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, fill_programs=fp, interpret=interpret))
+        for kb, ns, fp in TUNE_CONFIGS}
     if not interpret and getattr(jax.devices()[0], "compute_capability", "") == "9.0":
         from pallas_kernels.paged_attention_mgpu import decode_paged_attention_mgpu
         for st in MOSAIC_STAGES:
@@ -142,13 +156,13 @@ def tune_case(args, sm: float, interpret: bool, iters: int, reference, only: tup
 
 
 def best_triton_variant(rows: list[dict], head_dim: int) -> str | None:
-    """The Triton variant ("kv{kv_blocks}_split{num_splits}") with the lowest geometric mean time relative to the
+    """The Triton variant (its `variant_name`) with the lowest geometric mean time relative to the
     baseline (`TUNE_CONFIGS[0]`) over the tuned decode rows at head_dim, among those correct on every such row;
     None without such rows."""
-    default = f"kv{TUNE_CONFIGS[0][0]}_split{TUNE_CONFIGS[0][1]}"
+    default = variant_name(*TUNE_CONFIGS[0])
     rows = [r for r in rows if r.get("head_dim") == head_dim and default in r.get("variants_ms", {})]
     scores = {}
-    for name in (f"kv{kb}_split{ns}" for kb, ns in TUNE_CONFIGS):
+    for name in (variant_name(*c) for c in TUNE_CONFIGS):
         ratios = [r["variants_ms"][name] / r["variants_ms"][default] for r in rows
                   if isinstance(r["variants_max_abs_err"].get(name), float)
                   and isinstance(r["variants_max_abs_err"].get(default), float)]

@@ -94,7 +94,7 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
     args, _ = kernels.attention_case([(100, 1), (40, 1)], 6, 2, 16, jnp.float32)
     ref = reference_ragged_paged_attention(*args, sm_scale=0.25)
     times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref)
-    assert list(times) == [f"kv{kb}_split{ns}" for kb, ns in kernels.TUNE_CONFIGS] and min(times.values()) > 0
+    assert list(times) == [kernels.variant_name(*c) for c in kernels.TUNE_CONFIGS] and min(times.values()) > 0
     assert max(errors.values()) < 1e-5
     times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref, decode=False)
     assert list(times) == [f"bm{bm}" for bm in kernels.PREFILL_BLOCK_M] and max(errors.values()) < 1e-5
@@ -108,10 +108,10 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
 
     monkeypatch.setattr(kernels, "ragged_paged_attention", broken)
     times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref)
-    assert errors["kv1_split4"].startswith("wrong: max abs error") and "kv1_split4" in times
+    assert errors["kv4_split8_fill2048"].startswith("wrong: max abs error") and "kv4_split8_fill2048" in times
     assert errors["kv8_split1"].startswith("failed: RuntimeError: out of shared memory") and "kv8_split1" not in times
     assert isinstance(errors["kv4_split1"], float)
-    rows = [{"head_dim": 16, "variants_ms": {**times, "kv1_split4": 1e-9}, "variants_max_abs_err": errors}]
+    rows = [{"head_dim": 16, "variants_ms": {**times, "kv4_split8_fill2048": 1e-9}, "variants_max_abs_err": errors}]
     assert kernels.best_triton_variant(rows, 16) in ("kv1_split1", "kv4_split1")  # (kv8: not on every row)
     assert kernels.best_triton_variant(rows, 64) is None
     prefill_row = {"head_dim": 16, "variants_ms": {"bm16": 1.0, "bm64": 0.5}, "variants_max_abs_err": {}}
@@ -124,7 +124,7 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
     monkeypatch.setattr(kernels, "ragged_paged_attention", first_is_wrong)
     times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref, only=("kv1_split1", "kv4"))
     assert errors["kv1_split1"].startswith("wrong:") and isinstance(errors["kv4_split1"], float)
-    assert set(errors) == {"kv1_split1", "kv4_split1", "kv4_split4"}
+    assert set(errors) == {"kv1_split1", "kv4_split1", "kv4_split8_fill2048"}
 
 
 def test_tune_variants_filter_by_name(monkeypatch):
@@ -134,7 +134,7 @@ def test_tune_variants_filter_by_name(monkeypatch):
     from jaxpaged.bench import kernels
 
     names = list(kernels.tune_variants(0.1, interpret=True, only=("kv", "bm")))
-    assert names == [f"kv{kb}_split{ns}" for kb, ns in kernels.TUNE_CONFIGS]
+    assert names == [kernels.variant_name(*c) for c in kernels.TUNE_CONFIGS]
     assert list(kernels.tune_variants(0.1, interpret=True, only=("kv", "bm"), decode=False)) == [
         f"bm{bm}" for bm in kernels.PREFILL_BLOCK_M]
     rows = list(kernels.bench_attention(quick=True, iters=1, interpret=True, dtype=jnp.float32, tune=True,
@@ -144,9 +144,10 @@ def test_tune_variants_filter_by_name(monkeypatch):
 
 def test_best_triton_variant_is_fastest_over_all_cases():
     """The geometric mean of each variant's time relative to the default over the cases at one head_dim."""
-    from jaxpaged.bench.kernels import TUNE_CONFIGS, best_triton_variant
+    from jaxpaged.bench.kernels import TUNE_CONFIGS, best_triton_variant, variant_name, variant_settings
 
-    names = [f"kv{kb}_split{ns}" for kb, ns in TUNE_CONFIGS]
+    names = [variant_name(*c) for c in TUNE_CONFIGS]
+    assert [tuple(variant_settings(n).values()) for n in names] == list(TUNE_CONFIGS)
     errors = dict.fromkeys(names, 1e-3)
     fast_on_one = {n: 1.0 for n in names} | {"kv4_split1": 0.2, "kv8_split1": 0.6}
     fast_on_other = {n: 1.0 for n in names} | {"kv4_split1": 2.0, "kv8_split1": 0.6}
@@ -204,3 +205,27 @@ def test_sampler_tune_checks_each_variant_and_survives_one_that_fails(monkeypatc
     assert row["variants_outside"]["tile4096_w4"].startswith("failed: RuntimeError: too many registers")
     assert set(row["variants_ms"]) == {"tile1024_w4", "tile256_w4"}
     assert row["best_variant"] in row["variants_ms"] and "tuned: " in kernels.row_line(row)
+
+
+def test_the_tuned_variant_reaches_the_engine_through_the_environment(tmp_path, monkeypatch):
+    """The GPU script's tuned-engine stage: the fastest variant of the tune stage's JSON becomes
+    $JAXPAGED_PALLAS_ATTENTION, which the kernel reads back as the same settings; the default gives none."""
+    import json
+
+    from jaxpaged.bench.gpu import _tuned_variant
+    from jaxpaged.bench.kernels import TUNE_CONFIGS, variant_name
+    from pallas_kernels.paged_attention import VARIANT_ENV, kernel_variant
+
+    names = [variant_name(*c) for c in TUNE_CONFIGS]
+    ms = dict.fromkeys(names, 1.0) | {"kv8_split8_fill1024": 0.5}
+    path = tmp_path / "kernels_tune.json"
+    path.write_text(json.dumps({"rows": [{"head_dim": 64, "variants_ms": ms,
+                                          "variants_max_abs_err": dict.fromkeys(names, 1e-3)}]}))
+    env = _tuned_variant(str(path), head_dim=64)
+    assert env == "kv_blocks=8,num_splits=8,fill_programs=1024"
+    monkeypatch.setenv(VARIANT_ENV, env)
+    assert kernel_variant(64) == {"kv_blocks": 8, "num_splits": 8, "fill_programs": 1024, "block_m": 16}
+    ms["kv8_split8_fill1024"], ms["kv8_split1"] = 1.0, 0.5  # the default at head_dim 64
+    path.write_text(json.dumps({"rows": [{"head_dim": 64, "variants_ms": ms,
+                                          "variants_max_abs_err": dict.fromkeys(names, 1e-3)}]}))
+    assert _tuned_variant(str(path), head_dim=64) is None

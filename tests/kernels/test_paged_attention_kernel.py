@@ -54,6 +54,39 @@ def test_wider_steps_and_split_contexts_match_reference(case, kv_blocks, num_spl
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fill", [1, 8, 64])
+def test_splits_sized_per_tile_match_reference(case, fill):
+    """fill_programs: each tile split only as far as ~fill programs need (each split >= 2 steps), so tiles of
+    one step split differently and the merge skips the splits that never ran. The counts checked to vary."""
+    from pallas_kernels.paged_attention import query_tiles, splits_per_tile
+
+    x = make_step(np.random.default_rng(fill), CASES[case], group=3, kh=2, d=16)
+    got, ref = run_both(x, kv_blocks=1, num_splits=4, fill_programs=fill, block_m=16)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    start, length = query_tiles(x["token_seq"], 16 // 4, 64)  # (16 rows: 4 tokens x 3 heads padded to 4)
+    counts = np.asarray(splits_per_tile(start, length, x["positions"], 2, 16, 4, fill, None))[np.asarray(length) > 0]
+    if fill == 1:
+        assert (counts == 1).all()
+    if fill == 64:
+        assert counts.max() == (4 if case == "edges" else 2) and counts.min() == 1, counts
+
+
+def test_splits_per_tile_rules():
+    """Enough splits for ~fill programs over the busy tiles x KV heads, capped by num_splits and by 2 steps a
+    split; empty tiles and a window counted right."""
+    from pallas_kernels.paged_attention import splits_per_tile
+
+    start = jnp.array([0, 1, 2, 3, 3], jnp.int32)  # three 1-token tiles, then 2 empty ones (start T=3, len 0)
+    length = jnp.array([1, 1, 1, 0, 0], jnp.int32)
+    pos = jnp.array([999, 15, 100], jnp.int32)  # 1,000 keys, 16, 101: 63, 1, 7 steps of 16
+    split = lambda fill, window=None: np.asarray(splits_per_tile(start, length, pos, 2, 16, 8, fill, window))[:3]  # noqa: E731
+    np.testing.assert_array_equal(split(6), [1, 1, 1])  # 3 tiles x 2 heads fill 6 already
+    np.testing.assert_array_equal(split(24), [4, 1, 4])  # 4 wanted; the 16-key tile has 1 step
+    np.testing.assert_array_equal(split(1000), [8, 1, 4])  # capped by num_splits and by 2 steps a split
+    np.testing.assert_array_equal(split(1000, window=64), [3, 1, 3])  # 64 + 1 keys: 5 steps
+
+
 @pytest.mark.parametrize("kv_blocks,num_splits", [(1, 1), (4, 2)])
 def test_soft_capped_scores(kv_blocks, num_splits):
     """Gemma 2's cap * tanh(score / cap) before the softmax, in every step form; the cap changes these outputs
@@ -84,6 +117,11 @@ def test_split_merge_weighs_each_split_by_its_softmax_mass():
     empty = combine_splits(jnp.stack([acc[0], jnp.zeros_like(acc[0])]), jnp.stack([m[0], jnp.full_like(m[0], -1e30)]),
                            jnp.stack([l[0], jnp.zeros_like(l[0])]))
     np.testing.assert_allclose(empty[0, 0, 0], 1.0, rtol=1e-6)  # an empty split (m -1e30, l 0) weighs nothing
+    # a split whose program never ran (fill_programs) left garbage, NaN here: `written` drops it
+    nan = jnp.full_like(acc[:1], jnp.nan)
+    merged = combine_splits(jnp.concatenate([acc, nan]), jnp.concatenate([m, nan[..., 0]]),
+                            jnp.concatenate([l, nan[..., 0]]), jnp.array([True, True, False])[:, None, None])
+    np.testing.assert_allclose(merged[0, 0, 0], 4.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("d,block_size,window", [(64, 16, None), (128, 32, None), (64, 32, 20)])
@@ -152,13 +190,14 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
     t, s, table_width = 512, 64, 128
     args = (spec((t, heads, d), dtype), spec((2, 2, 1024, 16, kv_heads, d), kv_dtype), spec((), jnp.int32),
             spec((s, table_width), jnp.int32), spec((t,), jnp.int32), spec((t,), jnp.int32))
-    for kv_blocks, num_splits, block_m in ((1, 1, 16), (8, 1, 16), (4, 4, 16), (4, 1, 64)):
-        f = lambda *a, kb=kv_blocks, ns=num_splits, bm=block_m: ragged_paged_attention(  # noqa: E731
-            *a, sm_scale=d ** -0.5, kv_blocks=kb, num_splits=ns, block_m=bm)
+    for kv_blocks, num_splits, fill, block_m in ((1, 1, 0, 16), (8, 1, 0, 16), (4, 4, 0, 16), (4, 1, 0, 64),
+                                                 (8, 8, 2048, 16)):
+        f = lambda *a, kb=kv_blocks, ns=num_splits, fp=fill, bm=block_m: ragged_paged_attention(  # noqa: E731
+            *a, sm_scale=d ** -0.5, kv_blocks=kb, num_splits=ns, fill_programs=fp, block_m=bm)
         text = lower_for_cuda(f, *args)
         assert "triton" in text.lower()
         name = f"ragged_paged_attention_m{block_m}" + (f"_kv{kv_blocks}" if kv_blocks > 1 else "") + (
-            f"_split{num_splits}" if num_splits > 1 else "")
+            f"_split{num_splits}" if num_splits > 1 else "") + (f"_fill{fill}" if fill else "")
         assert re.search(re.escape(name) + r"(?!_)\b", text), name  # that variant was lowered
 
 
@@ -196,8 +235,8 @@ def test_default_variant_is_the_tuned_one_for_its_head_dim(heads, kv_heads, d, n
     from pallas_kernels.paged_attention import default_variant
 
     monkeypatch.delenv("JAXPAGED_PALLAS_ATTENTION", raising=False)
-    assert default_variant(d) == {"kv_blocks": int(name[-1]), "num_splits": 1}
-    assert default_variant(d, block_size=32) == {"kv_blocks": int(name[-1]) // 2, "num_splits": 1}  # same keys
+    assert default_variant(d) == {"kv_blocks": int(name[-1]), "num_splits": 1, "fill_programs": 0}
+    assert default_variant(d, block_size=32)["kv_blocks"] == int(name[-1]) // 2  # the same keys a step
     assert default_variant(d, block_size=256)["kv_blocks"] == 1
     spec = jax.ShapeDtypeStruct
     args = (spec((64, heads, d), jnp.bfloat16), spec((2, 2, 256, 16, kv_heads, d), jnp.bfloat16),
