@@ -257,16 +257,17 @@ def default_block_m(num_tokens: int, num_seqs: int) -> int:
 
 
 def kernel_variant(head_dim: int, block_size: int = 16, num_tokens: int = 1, num_seqs: int = 1) -> dict[str, int]:
-    """The Triton kernel's kv_blocks, num_splits, fill_programs and block_m where a call leaves them out:
-    `default_variant` and `default_block_m`, or as $JAXPAGED_PALLAS_ATTENTION sets them, e.g.
-    "kv_blocks=8,num_splits=8,fill_programs=2048,block_m=16" (read when a step is traced: to time the engine with
-    a variant `jaxpaged bench kernels --tune` found faster)."""
-    variant = {**default_variant(head_dim, block_size), "block_m": default_block_m(num_tokens, num_seqs)}
+    """The Triton kernel's kv_blocks, num_splits, fill_programs, block_m, num_warps and num_stages where a call
+    leaves them out: `default_variant`, `default_block_m` and 4 warps, 2 stages, or as $JAXPAGED_PALLAS_ATTENTION
+    sets them, e.g. "kv_blocks=8,num_splits=8,fill_programs=2048,block_m=128,num_warps=8,num_stages=3" (read when
+    a step is traced: to time the engine with a variant `jaxpaged bench kernels --tune` found faster)."""
+    variant = {**default_variant(head_dim, block_size), "block_m": default_block_m(num_tokens, num_seqs),
+               "num_warps": 4, "num_stages": 2}
     for item in filter(None, os.environ.get(VARIANT_ENV, "").replace(" ", "").split(",")):
         key, _, value = item.partition("=")
         if key not in variant or not value.isdigit():
-            raise ValueError(f"${VARIANT_ENV}: expected kv_blocks=N,num_splits=N,fill_programs=N,block_m=N, "
-                             f"got {item!r}")
+            raise ValueError(f"${VARIANT_ENV}: expected kv_blocks=N,num_splits=N,fill_programs=N,block_m=N,"
+                             f"num_warps=N,num_stages=N, got {item!r}")
         variant[key] = int(value)
     return variant
 
@@ -286,8 +287,8 @@ def ragged_paged_attention(
     kv_blocks: int | None = None,
     num_splits: int | None = None,
     fill_programs: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> Float[Array, "T H D"]:
     """Pallas (Triton) ragged paged attention; same meaning as `reference_ragged_paged_attention`.
@@ -312,7 +313,8 @@ def ragged_paged_attention(
         far as needed for about N programs in all (over the step's non-empty tiles x KV heads, at most
         num_splits, each split at least 2 steps of the walk), so a step of many or short sequences runs
         unsplit and one of few long ones split, with static shapes: the count is read in the kernel.
-        These four default to `kernel_variant(head_dim, block_size, T, S)` (tuned on an H200 unless
+      num_warps, num_stages: Triton's, per program (4 and 2 unless the environment says otherwise).
+        These six default to `kernel_variant(head_dim, block_size, T, S)` (tuned on an H200 unless
         $JAXPAGED_PALLAS_ATTENTION says otherwise).
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [T, H, D] in q's dtype.
@@ -324,12 +326,11 @@ def ragged_paged_attention(
         runs = seqs[np.r_[True, seqs[1:] != seqs[:-1]]]  # first token of each run
         if len(runs) != len(np.unique(runs)):
             raise ValueError("token_seq: each sequence's tokens must be one contiguous run of rows")
-    if block_m is None or kv_blocks is None or num_splits is None or fill_programs is None:
-        variant = kernel_variant(q.shape[2], kv_pool.shape[3], q.shape[0], block_tables.shape[0])
-        block_m = variant["block_m"] if block_m is None else block_m
-        kv_blocks = variant["kv_blocks"] if kv_blocks is None else kv_blocks
-        num_splits = variant["num_splits"] if num_splits is None else num_splits
-        fill_programs = variant["fill_programs"] if fill_programs is None else fill_programs
+    given = dict(block_m=block_m, kv_blocks=kv_blocks, num_splits=num_splits, fill_programs=fill_programs,
+                 num_warps=num_warps, num_stages=num_stages)
+    variant = kernel_variant(q.shape[2], kv_pool.shape[3], q.shape[0], block_tables.shape[0])
+    block_m, kv_blocks, num_splits, fill_programs, num_warps, num_stages = (
+        variant[k] if v is None else v for k, v in given.items())
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")

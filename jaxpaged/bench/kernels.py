@@ -106,18 +106,29 @@ def variant_settings(name: str) -> dict[str, int]:
     splits, _, fill = rest.partition("_fill")
     return {"kv_blocks": int(kv), "num_splits": int(splits), "fill_programs": int(fill or 0)}
 MOSAIC_STAGES = (2, 4)  # the Mosaic GPU decode kernel's steps in flight, timed by --tune on sm90
-PREFILL_BLOCK_M = (16, 32, 64, 128)  # query rows per tile timed by --tune on prefill and mixed cases (16: default)
+# (block_m, kv_blocks, num_warps, num_stages) timed by --tune on prefill and mixed cases (0 kv_blocks: the default):
+# query rows per tile (16-128 timed on an H200: 64 fastest at long prefills, now the default there), then bigger
+# key steps, more warps and deeper pipelines for the tensor cores (untimed)
+PREFILL_VARIANTS = ((16, 0, 4, 2), (32, 0, 4, 2), (64, 0, 4, 2), (128, 0, 4, 2), (64, 8, 4, 3), (128, 4, 8, 2),
+                    (128, 8, 8, 2), (128, 8, 8, 3))
+
+
+def prefill_variant_name(block_m: int, kv_blocks: int = 0, num_warps: int = 4, num_stages: int = 2) -> str:
+    """"bm64", "bm128_kv8_w8_st3": a prefill variant's name in --tune's tables (defaults left out)."""
+    return (f"bm{block_m}" + (f"_kv{kv_blocks}" if kv_blocks else "") + (f"_w{num_warps}" if num_warps != 4 else "")
+            + (f"_st{num_stages}" if num_stages != 2 else ""))
 
 
 def tune_variants(sm: float, interpret: bool, only: tuple[str, ...] | None = None, decode: bool = True) -> dict:
     """name -> jitted attention(q, pool, layer, tables, token_seq, positions) of each variant --tune times.
     Decode: the Triton kernel's `TUNE_CONFIGS` (`variant_name`s) and on an sm90 GPU the
     Mosaic GPU decode kernel (one token per sequence: its length is the token's position + 1); prefill and
-    mixed steps: the Triton kernel's query tile sizes `PREFILL_BLOCK_M` ("bm{block_m}", bigger tiles for
-    the tensor cores). only: the names starting with one of these."""
+    mixed steps: the Triton kernel's `PREFILL_VARIANTS` (query tile sizes, key steps, warps and pipeline
+    stages for the tensor cores). only: the names starting with one of these."""
     if not decode:
-        variants = {f"bm{bm}": jax.jit(lambda *a, bm=bm: ragged_paged_attention(
-            *a, sm_scale=sm, block_m=bm, interpret=interpret)) for bm in PREFILL_BLOCK_M}
+        variants = {prefill_variant_name(*v): jax.jit(lambda *a, v=v: ragged_paged_attention(
+            *a, sm_scale=sm, block_m=v[0], kv_blocks=v[1] or None, num_warps=v[2], num_stages=v[3],
+            interpret=interpret)) for v in PREFILL_VARIANTS}
         return {k: v for k, v in variants.items() if only is None or k.startswith(only)}
     variants = {variant_name(kb, ns, fp): jax.jit(lambda *a, kb=kb, ns=ns, fp=fp: ragged_paged_attention(
         *a, sm_scale=sm, kv_blocks=kb, num_splits=ns, fill_programs=fp, interpret=interpret))
@@ -222,7 +233,7 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
     cases = [(model, shape, name, seqs) for model, shape in MODEL_SHAPES.items() for name, seqs in workloads.items()]
     if tune:  # prefill and mixed, then decodes with the longest contexts first, the two models in turn (a stage
         # cut short keeps both)
-        prefill = variants is None or any(f"bm{bm}".startswith(variants) for bm in PREFILL_BLOCK_M)
+        prefill = variants is None or any(prefill_variant_name(*v).startswith(variants) for v in PREFILL_VARIANTS)
         cases = sorted((c for c in cases if prefill or c[2].startswith("decode")),
                        key=lambda c: (c[2].startswith("decode"), -c[3][0][0], len(c[3])))
     for model, (h, kh, d), name, seqs in cases:

@@ -97,7 +97,8 @@ def test_tune_times_each_variant_after_checking_it(monkeypatch):
     assert list(times) == [kernels.variant_name(*c) for c in kernels.TUNE_CONFIGS] and min(times.values()) > 0
     assert max(errors.values()) < 1e-5
     times, errors = kernels.tune_case(args, 0.25, interpret=True, iters=1, reference=ref, decode=False)
-    assert list(times) == [f"bm{bm}" for bm in kernels.PREFILL_BLOCK_M] and max(errors.values()) < 1e-5
+    assert list(times) == [kernels.prefill_variant_name(*v) for v in kernels.PREFILL_VARIANTS]
+    assert "bm128_kv8_w8_st3" in times and max(errors.values()) < 1e-5
     real = kernels.ragged_paged_attention
 
     def broken(*a, kv_blocks, num_splits, **kw):  # splits lose what one key of 141 moves; kv_blocks=8 won't build
@@ -136,7 +137,7 @@ def test_tune_variants_filter_by_name(monkeypatch):
     names = list(kernels.tune_variants(0.1, interpret=True, only=("kv", "bm")))
     assert names == [kernels.variant_name(*c) for c in kernels.TUNE_CONFIGS]
     assert list(kernels.tune_variants(0.1, interpret=True, only=("kv", "bm"), decode=False)) == [
-        f"bm{bm}" for bm in kernels.PREFILL_BLOCK_M]
+        kernels.prefill_variant_name(*v) for v in kernels.PREFILL_VARIANTS]
     rows = list(kernels.bench_attention(quick=True, iters=1, interpret=True, dtype=jnp.float32, tune=True,
                                         variants=("kv1_split1",)))
     assert rows and all("decode" in r["case"] and set(r["variants_ms"]) == {"kv1_split1"} for r in rows)
@@ -224,7 +225,8 @@ def test_the_tuned_variant_reaches_the_engine_through_the_environment(tmp_path, 
     env = _tuned_variant(str(path), head_dim=64)
     assert env == "kv_blocks=8,num_splits=8,fill_programs=1024"
     monkeypatch.setenv(VARIANT_ENV, env)
-    assert kernel_variant(64) == {"kv_blocks": 8, "num_splits": 8, "fill_programs": 1024, "block_m": 16}
+    assert kernel_variant(64) == {"kv_blocks": 8, "num_splits": 8, "fill_programs": 1024, "block_m": 16,
+                                  "num_warps": 4, "num_stages": 2}
     ms["kv8_split8_fill1024"], ms["kv8_split1"] = 1.0, 0.5  # the default at head_dim 64
     path.write_text(json.dumps({"rows": [{"head_dim": 64, "variants_ms": ms,
                                           "variants_max_abs_err": dict.fromkeys(names, 1e-3)}]}))

@@ -201,6 +201,23 @@ def test_kernel_lowers_for_cuda(heads, kv_heads, d, dtype, kv_dtype):
         assert re.search(re.escape(name) + r"(?!_)\b", text), name  # that variant was lowered
 
 
+@pytest.mark.parametrize("block_m,kv_blocks,num_warps,num_stages", [(128, 8, 8, 3), (64, 8, 4, 3)])
+def test_prefill_variants_lower_for_cuda(block_m, kv_blocks, num_warps, num_stages, monkeypatch):
+    """Bigger tiles, more warps and stages (--tune's prefill variants), given or from the environment."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((512, 32, 128), jnp.bfloat16), spec((2, 2, 1024, 16, 8, 128), jnp.bfloat16), spec((), jnp.int32),
+            spec((8, 128), jnp.int32), spec((512,), jnp.int32), spec((512,), jnp.int32))
+    name = f"ragged_paged_attention_m{block_m}_kv{kv_blocks}"
+    assert name in lower_for_cuda(lambda *a: ragged_paged_attention(
+        *a, sm_scale=0.1, block_m=block_m, kv_blocks=kv_blocks, num_warps=num_warps, num_stages=num_stages), *args)
+    monkeypatch.setenv("JAXPAGED_PALLAS_ATTENTION", f"block_m={block_m},kv_blocks={kv_blocks},"
+                                                   f"num_warps={num_warps},num_stages={num_stages}")
+    from pallas_kernels.paged_attention import kernel_variant
+
+    assert kernel_variant(128, 16, 512, 8)["num_warps"] == num_warps
+    assert name in lower_for_cuda(lambda *a: ragged_paged_attention(*a, sm_scale=0.1), *args)
+
+
 def test_soft_capped_kernel_lowers_for_cuda():
     """Gemma 2 2B's heads (8 / 4, head_dim 256) with its attention cap of 50, a decode and a prefill shape."""
     spec = jax.ShapeDtypeStruct
