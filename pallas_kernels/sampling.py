@@ -12,7 +12,8 @@ to the most likely token when that pivot also fails. One program per row; each p
 accumulates per lane with no reduction inside its loop, and the draw of the next round comes from
 the lane sums of the check pass before it plus one column, so a round is one pass. When top-k and
 top-p are both on, the k-th largest logit (for the top-k mass) is found first, 4 pivots a pass
-around a guess interpolated from the counts at the bracket's ends.
+around a guess interpolated from the counts at the bracket's ends. With row_splits > 1 the first pass (max,
+argmax, lane sums: no decision in it) is made by several programs per row in a kernel before, and merged.
 The reference (`reference_top_k_top_p_sampling`) sorts each row and masks.
 """
 
@@ -113,9 +114,76 @@ _SEARCH_PASSES = 40  # for the k-th largest logit (top-k and top-p both on): 4 p
 _GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either side of an interpolated guess
 
 
-def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms_ref, out_ref, *, vocab: int,
-                     tile: int):
-    """One row: pl.program_id(0). logits_ref [B, V], uniforms_ref [B, MAX_ROUNDS].
+def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
+    """(load_tile, sweep) over one row of logits_ref [B, V]: load_tile(i) is tile i's [tile] scaled logits (-inf
+    past the vocabulary); sweep(fn, init, lo, hi) folds fn(z, i, carry) over tiles [lo, hi), the next tile's load
+    issued before this one's work."""
+    width = logits_ref.shape[1]  # vocab, or padded to a multiple of tile (the interpreter's input)
+    num_tiles = pl.cdiv(vocab, tile)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
+
+    def load_tile(i):
+        if width % tile == 0:  # (a padded row's padding is -inf; the interpreter is slow with masked loads)
+            x = logits_ref[row, pl.ds(i * tile, tile)]
+        else:
+            x = plgpu.load(logits_ref.at[row, pl.ds(i * tile, tile)], mask=i * tile + lane < vocab, other=-jnp.inf)
+        return x.astype(jnp.float32) * inv_t
+
+    def sweep(fn, init, lo=0, hi=num_tiles):
+        def body(i, c):
+            z, carry = c
+            return load_tile(jnp.minimum(i + 1, num_tiles - 1)), fn(z, i, carry)
+
+        return jax.lax.fori_loop(lo, hi, body, (load_tile(jnp.minimum(lo, num_tiles - 1)), init))[1]
+
+    return load_tile, sweep
+
+
+def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):
+    """One pass over tiles [lo, hi) of a row: (max, first argmax (vocab if none), per-lane mass [tile] as
+    sum exp(z - max), smallest finite logit, count of finite logits)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
+
+    def stats(z, i, c):  # per lane: running max, sum of exp below it, first argmax, finite min and count
+        m, s, arg, zmin, nfin = c
+        hi_, lo_ = jnp.maximum(m, z), jnp.minimum(m, z)
+        e = jnp.exp(lo_ - jnp.where(hi_ > -jnp.inf, hi_, 0.0))  # exp(-|z - m|); 0 while the lane saw only -inf
+        up = z > m
+        finite = z > -jnp.inf
+        return (hi_, jnp.where(up, s * e + 1.0, s + e), jnp.where(up, i * tile + lane, arg),
+                jnp.where(finite, jnp.minimum(zmin, z), zmin), nfin + finite.astype(jnp.int32))
+
+    init = (jnp.full((tile,), -jnp.inf, jnp.float32), jnp.zeros((tile,), jnp.float32),
+            jnp.full((tile,), vocab, jnp.int32), jnp.full((tile,), jnp.inf, jnp.float32),
+            jnp.zeros((tile,), jnp.int32))
+    m, s, arg, zmin, nfin = sweep(stats, init, lo, hi) if hi is not None else sweep(stats, init)
+    zmax = jnp.max(m)
+    argmax = jnp.min(jnp.where(m == zmax, arg, vocab))
+    lane_w = jnp.where(m > -jnp.inf, s * jnp.exp(jnp.where(m > -jnp.inf, m - zmax, 0.0)), 0.0)
+    return zmax, argmax, lane_w, jnp.min(zmin), jnp.sum(nfin)
+
+
+def _row_part_stats_kernel(logits_ref, temperature_ref, w_ref, max_ref, arg_ref, min_ref, count_ref, *, vocab: int,
+                           tile: int, parts: int):
+    """Program (row, part): `_row_stats` over part pl.program_id(1) of `parts` runs of the row's tiles, written
+    to w_ref [B, parts, tile] and max/arg/min/count_ref [B, parts] (merged by `_sampling_kernel`)."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    temp = temperature_ref[row]
+    _, sweep = _row_reader(logits_ref, row, vocab, tile, 1.0 / jnp.where(temp > 0, temp, 1.0))
+    per = pl.cdiv(pl.cdiv(vocab, tile), parts)
+    lo = part * per
+    zmax, argmax, lane_w, zmin, nfin = _row_stats(sweep, vocab, tile, lo, jnp.minimum(lo + per, pl.cdiv(vocab, tile)))
+    w_ref[row, part, :] = lane_w
+    max_ref[row, part] = zmax
+    arg_ref[row, part] = argmax
+    min_ref[row, part] = zmin
+    count_ref[row, part] = nfin
+
+
+def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms_ref, *refs, vocab: int,
+                     tile: int, parts: int):
+    """One row: pl.program_id(0). logits_ref [B, V], uniforms_ref [B, MAX_ROUNDS]; refs: out_ref [B], or with
+    parts > 1 the first pass's results from `_row_part_stats_kernel` (w, max, arg, min, count) then out_ref.
 
     Every pass over the row accumulates per lane (a lane: one position of the tile, so tokens j, j + tile, ...)
     with no reduction inside its loop, and loads the next tile before working on this one; the lanes are reduced
@@ -123,50 +191,31 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
     lane's column (one gathered load of V / tile logits): each rejection round is one pass over the row.
     """
     row = pl.program_id(0)
+    out_ref = refs[-1]
     width = logits_ref.shape[1]  # vocab, or padded to a multiple of tile (the interpreter's input)
     num_tiles = pl.cdiv(vocab, tile)
     col_len = pl.next_power_of_2(num_tiles)
     lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
     temp = temperature_ref[row]
     inv_t = 1.0 / jnp.where(temp > 0, temp, 1.0)
-
-    def load_tile(i):  # [tile] scaled logits of tile i (-inf past the vocabulary)
-        if width % tile == 0:  # (a padded row's padding is -inf; the interpreter is slow with masked loads)
-            x = logits_ref[row, pl.ds(i * tile, tile)]
-        else:
-            x = plgpu.load(logits_ref.at[row, pl.ds(i * tile, tile)], mask=i * tile + lane < vocab, other=-jnp.inf)
-        return x.astype(jnp.float32) * inv_t
-
-    def sweep(fn, init):  # fold fn(z, i, carry) over the tiles, the next tile's load issued first
-        def body(i, c):
-            z, carry = c
-            return load_tile(jnp.minimum(i + 1, num_tiles - 1)), fn(z, i, carry)
-
-        return jax.lax.fori_loop(0, num_tiles, body, (load_tile(0), init))[1]
-
-    def stats(z, i, c):  # per lane: running max, sum of exp below it, first argmax, finite min and count
-        m, s, arg, zmin, nfin = c
-        hi, lo = jnp.maximum(m, z), jnp.minimum(m, z)
-        e = jnp.exp(lo - jnp.where(hi > -jnp.inf, hi, 0.0))  # exp(-|z - m|); 0 while the lane saw only -inf
-        up = z > m
-        finite = z > -jnp.inf
-        return (hi, jnp.where(up, s * e + 1.0, s + e), jnp.where(up, i * tile + lane, arg),
-                jnp.where(finite, jnp.minimum(zmin, z), zmin), nfin + finite.astype(jnp.int32))
-
+    _, sweep = _row_reader(logits_ref, row, vocab, tile, inv_t)
+    if parts > 1:  # the first pass, done by `parts` programs: merged
+        w_ref, max_ref, arg_ref, min_ref, count_ref, _ = refs
+        part_max = max_ref[row, :]  # [parts]
+        zmax = jnp.max(part_max)
+        weight = jnp.where(part_max > -jnp.inf, jnp.exp(jnp.where(part_max > -jnp.inf, part_max - zmax, 0.0)), 0.0)
+        lane_w = jnp.sum(w_ref[row, :, :] * weight[:, None], axis=0)  # [tile]
+        argmax = jnp.min(jnp.where(part_max == zmax, arg_ref[row, :], vocab))
+        zmin, nfin = jnp.min(min_ref[row, :]), jnp.sum(count_ref[row, :])
+    else:
+        zmax, argmax, lane_w, zmin, nfin = _row_stats(sweep, vocab, tile)
     zeros_f, zeros_i = jnp.zeros((tile,), jnp.float32), jnp.zeros((tile,), jnp.int32)
-    m, s, arg, zmin_lane, nfin_lane = sweep(stats, (jnp.full((tile,), -jnp.inf, jnp.float32), zeros_f,
-                                                    jnp.full((tile,), vocab, jnp.int32),
-                                                    jnp.full((tile,), jnp.inf, jnp.float32), zeros_i))
-    zmax = jnp.max(m)
-    argmax = jnp.min(jnp.where(m == zmax, arg, vocab))
     out_ref[row] = jnp.where(argmax < vocab, argmax, 0)  # greedy rows, and rows whose rounds run out
 
     @pl.when(temp > 0)
     def _():
-        lane_w = jnp.where(m > -jnp.inf, s * jnp.exp(jnp.where(m > -jnp.inf, m - zmax, 0.0)), 0.0)  # [tile]
         total = jnp.sum(lane_w)
         k, p = top_k_ref[row], top_p_ref[row]
-        nfin = jnp.sum(nfin_lane)
         k_on = (k > 0) & (k < vocab)
         k = jnp.where(k_on, k, vocab + 1)
 
@@ -200,7 +249,7 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
                 moved = (new_lo != lo) | (new_hi != hi)
                 return new_lo, new_hi, new_c_lo, new_c_hi, hit, found, moved, it + 1
 
-            lo0 = jnp.min(zmin_lane)
+            lo0 = zmin
             hi0 = zmax + jnp.maximum(1.0, jnp.abs(zmax) * 1e-3)  # above every logit: count 0 < k
             init = (lo0, hi0, nfin.astype(jnp.float32), nfin.astype(jnp.float32) * 0.0, lo0, False, True,
                     jnp.int32(0))
@@ -277,6 +326,7 @@ def top_k_top_p_sampling(
     *,
     tile: int = 4096,
     num_warps: int = 16,
+    row_splits: int = 1,
     interpret: bool = False,
 ) -> Int[Array, "B"]:
     """One token per row from the top-k/top-p filtered distribution, without sorting (Pallas, Triton).
@@ -289,29 +339,48 @@ def top_k_top_p_sampling(
       tile: lanes, vocabulary elements per step of a pass (a power of two; smaller for small V). num_warps: per
         row. The defaults were the fastest measured on an H200 (2026-12-04, 64 rows of 49k and 128k logits,
         against 2,048-8,192 lanes and 4-32 warps: README).
+      row_splits: programs per row for the first pass (max, argmax, lane sums: no decision in it), a power of two;
+        their results merged by the row's program, which makes the other passes. 1: that program makes the first
+        pass too. (64 rows keep 64 of an H200's 132 SMs busy, each on one row's pass.)
       interpret: run through the Pallas interpreter (CPU tests) instead of Triton.
     Returns [B] int32 token ids.
     """
     check_sampling_args(logits, key, temperature, top_k, top_p)
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if row_splits < 1 or row_splits & (row_splits - 1):
+        raise ValueError(f"row_splits must be a power of two >= 1, got {row_splits}")
     return _top_k_top_p_sampling(logits, row_keys(key, logits.shape[0]), temperature, top_k, top_p, tile=tile,
-                                 num_warps=num_warps, interpret=interpret)
+                                 num_warps=num_warps, row_splits=row_splits, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "interpret"))
-def _top_k_top_p_sampling(logits, keys, temperature, top_k, top_p, *, tile, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "row_splits", "interpret"))
+def _top_k_top_p_sampling(logits, keys, temperature, top_k, top_p, *, tile, num_warps, row_splits, interpret):
     b, v = logits.shape
     tile = min(tile, pl.next_power_of_2(v))
+    parts = min(row_splits, pl.next_power_of_2(pl.cdiv(v, tile)))  # (no more parts than tiles, rounded up)
     uniforms = jax.vmap(lambda k: 1.0 - jax.random.uniform(k, (MAX_ROUNDS,), jnp.float32))(keys)  # (0, 1]
-    kernel = functools.partial(_sampling_kernel, vocab=v, tile=tile)
     if interpret:  # (masked loads are slow in the interpreter; on a GPU they cost nothing, a padded copy does)
         logits = jnp.pad(logits, ((0, 0), (0, (-v) % tile)), constant_values=-jnp.inf)
+    temperature = temperature.astype(jnp.float32)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    first_pass = ()
+    if parts > 1:  # [B, parts, tile] lane sums, [B, parts] max / argmax / finite min / finite count
+        first_pass = pl.pallas_call(
+            functools.partial(_row_part_stats_kernel, vocab=v, tile=tile, parts=parts),
+            grid=(b, parts),
+            out_shape=(jax.ShapeDtypeStruct((b, parts, tile), jnp.float32),
+                       jax.ShapeDtypeStruct((b, parts), jnp.float32), jax.ShapeDtypeStruct((b, parts), jnp.int32),
+                       jax.ShapeDtypeStruct((b, parts), jnp.float32), jax.ShapeDtypeStruct((b, parts), jnp.int32)),
+            compiler_params=params,
+            interpret=interpret,
+            name=f"top_k_top_p_first_pass_{parts}_parts",
+        )(logits, temperature)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_sampling_kernel, vocab=v, tile=tile, parts=parts),
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct((b,), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=params,
         interpret=interpret,
         name="top_k_top_p_rejection_sampling",
-    )(logits, temperature.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32), uniforms)
+    )(logits, temperature, top_k.astype(jnp.int32), top_p.astype(jnp.float32), uniforms, *first_pass)

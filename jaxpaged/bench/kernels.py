@@ -245,17 +245,22 @@ def bench_attention(quick: bool, iters: int, interpret: bool, dtype, backend: st
         yield row
 
 
-# (tile, num_warps) of the sampler timed by --tune, the default first: one program per row walks its logits in
-# tile-wide steps, per-lane sums and no reduction inside a pass (on an H200, 2026-12-04, 4,096 lanes with 16 warps
-# were the fastest or within 10% of it in 7 of 10 cases; 8,192 lanes or 1,024 / 4 up to 19% faster without a
-# filter or with top-k alone)
-SAMPLER_TUNE = ((4096, 16), (4096, 8), (2048, 8), (8192, 16), (8192, 32))
+# (tile, num_warps, row_splits) of the sampler timed by --tune, the default first: one program per row walks its
+# logits in tile-wide steps, per-lane sums and no reduction inside a pass (on an H200, 2026-12-04, 4,096 lanes with
+# 16 warps were the fastest or within 10% of it in 7 of 10 cases; 8,192 lanes or 1,024 / 4 up to 19% faster
+# without a filter or with top-k alone); row_splits: the first pass split over 2-4 programs a row (untimed)
+SAMPLER_TUNE = ((4096, 16, 1), (4096, 8, 1), (8192, 16, 1), (4096, 16, 2), (4096, 16, 4), (2048, 16, 4))
+
+
+def sampler_variant_name(tile: int, num_warps: int, row_splits: int = 1) -> str:
+    """"tile4096_w16", "tile4096_w16_r4": a sampler variant's name in --tune's tables."""
+    return f"tile{tile}_w{num_warps}" + (f"_r{row_splits}" if row_splits > 1 else "")
 
 
 def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | None = None,
                    tune: bool = False) -> Iterator[dict]:
     """64 rows (quick: 8) of 49k and 128k logits; the logits' bytes per second against the copy bandwidth.
-    tune: each case also timing the `SAMPLER_TUNE` variants ("tile{tile}_w{num_warps}"), each checked to draw
+    tune: each case also timing the `SAMPLER_TUNE` variants (`sampler_variant_name`), each checked to draw
     nothing outside the kept set (row["variants_ms"], row["variants_outside"], row["best_variant"])."""
     batch = 8 if quick else 64
     for vocab in (49_152, 128_256):
@@ -284,10 +289,10 @@ def bench_sampling(quick: bool, iters: int, interpret: bool, ceilings: dict | No
                 row["kernel_pct_of_copy_bw"] = 100 * row["kernel_logits_GBps"] / ceilings["copy_GBps"]
             if tune:
                 row["variants_ms"], row["variants_outside"] = {}, {}
-                for tile, warps in SAMPLER_TUNE:
-                    variant = f"tile{tile}_w{warps}"
-                    f = jax.jit(lambda *a, t=tile, w=warps: top_k_top_p_sampling(*a, tile=t, num_warps=w,
-                                                                                 interpret=interpret))
+                for tile, warps, splits in SAMPLER_TUNE:
+                    variant = sampler_variant_name(tile, warps, splits)
+                    f = jax.jit(lambda *a, t=tile, w=warps, r=splits: top_k_top_p_sampling(
+                        *a, tile=t, num_warps=w, row_splits=r, interpret=interpret))
                     try:  # (one the compiler rejects is reported, not fatal)
                         row["variants_outside"][variant] = outside(f)
                         row["variants_ms"][variant] = median_ms(f, *sets[0], iters=iters, arg_sets=sets)

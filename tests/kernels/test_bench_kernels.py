@@ -198,13 +198,13 @@ def test_sampler_tune_checks_each_variant_and_survives_one_that_fails(monkeypatc
             raise RuntimeError("too many registers")
         return real(*a, tile=tile, num_warps=num_warps, **kw)
 
-    monkeypatch.setattr(kernels, "SAMPLER_TUNE", ((1024, 4), (256, 4), (4096, 4)))
+    monkeypatch.setattr(kernels, "SAMPLER_TUNE", ((1024, 4, 1), (256, 4, 2), (4096, 4, 1)))
     monkeypatch.setattr(kernels, "top_k_top_p_sampling", sampler)
     row = next(kernels.bench_sampling(quick=True, iters=1, interpret=True, tune=True))
     assert row["draws_outside_kept_set"] == 0
-    assert row["variants_outside"]["tile1024_w4"] == 0 and row["variants_outside"]["tile256_w4"] == 0
+    assert row["variants_outside"]["tile1024_w4"] == 0 and row["variants_outside"]["tile256_w4_r2"] == 0
     assert row["variants_outside"]["tile4096_w4"].startswith("failed: RuntimeError: too many registers")
-    assert set(row["variants_ms"]) == {"tile1024_w4", "tile256_w4"}
+    assert set(row["variants_ms"]) == {"tile1024_w4", "tile256_w4_r2"}
     assert row["best_variant"] in row["variants_ms"] and "tuned: " in kernels.row_line(row)
 
 

@@ -12,11 +12,11 @@ from tests.kernels.test_sampling_reference import assert_draws_follow, filtered_
 N = 20_000
 
 
-def draw(logits, temperature, k, p, *, tile, key=7):
+def draw(logits, temperature, k, p, *, tile, key=7, row_splits=1):
     n = logits.shape[0]
     return np.asarray(top_k_top_p_sampling(
         jnp.asarray(logits), jax.random.PRNGKey(key), jnp.full(n, temperature), jnp.full(n, k, jnp.int32),
-        jnp.full(n, p, jnp.float32), tile=tile, interpret=True))
+        jnp.full(n, p, jnp.float32), tile=tile, row_splits=row_splits, interpret=True))
 
 
 # (temperature, k, p): off, top-k alone, top-p alone, both, k=1, p near 0, k >= vocab, both with k > kept-by-p.
@@ -32,7 +32,21 @@ def test_draws_follow_the_filtered_distribution(temperature, k, p, vocab, tile):
     assert_draws_follow(draw(np.tile(logits, (N, 1)), temperature, k, p, tile=tile), want)
 
 
-def test_mixed_rows_greedy_minus_inf_and_determinism():
+@pytest.mark.parametrize("temperature,k,p", [(1.0, 0, 1.0), (1.0, 6, 0.9), (2.0, 12, 0.6)])
+@pytest.mark.parametrize("row_splits", [2, 8])  # 7 tiles: parts of 4 and 3 tiles; 8 parts of 1 tile, one empty
+def test_first_pass_split_over_programs_draws_the_same_distribution(temperature, k, p, row_splits):
+    """row_splits: the first pass (max, argmax, lane sums) made by several programs per row and merged."""
+    logits = np.random.default_rng(200).normal(size=200).astype(np.float32) * 2
+    want = filtered_probs(logits, temperature, k, p)
+    got = draw(np.tile(logits, (N, 1)), temperature, k, p, tile=32, row_splits=row_splits)
+    assert_draws_follow(got, want)
+    # the same uniforms, so the same tokens as one program per row (the merged lane sums equal its own)
+    same = draw(np.tile(logits, (64, 1)), temperature, k, p, tile=32, row_splits=row_splits)
+    np.testing.assert_array_equal(same, draw(np.tile(logits, (64, 1)), temperature, k, p, tile=32))
+
+
+@pytest.mark.parametrize("row_splits", [1, 4])
+def test_mixed_rows_greedy_minus_inf_and_determinism(row_splits):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 300)).astype(np.float32)
     logits[4, :] = -np.inf
@@ -41,8 +55,10 @@ def test_mixed_rows_greedy_minus_inf_and_determinism():
     k = jnp.array([0, 3, 0, 7, 4, 0], jnp.int32)
     p = jnp.array([1.0, 1.0, 0.5, 0.3, 0.9, 1.0], jnp.float32)
     keys = jax.random.split(jax.random.PRNGKey(1), 6)
-    a = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, temp, k, p, tile=64, interpret=True))
-    b = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, temp, k, p, tile=64, interpret=True))
+    a = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, temp, k, p, tile=64, row_splits=row_splits,
+                                        interpret=True))
+    b = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, temp, k, p, tile=64, row_splits=row_splits,
+                                        interpret=True))
     np.testing.assert_array_equal(a, b)
     assert a[0] == logits[0].argmax() and a[5] == logits[5].argmax() and a[4] == 17
     assert a[1] in np.argsort(-logits[1])[:3]
@@ -73,7 +89,8 @@ def test_ties_at_the_top_k_boundary_are_kept(k, p):
     assert_draws_follow(draw(np.tile(logits, (N, 1)), 1.0, k, p, tile=32), want / want.sum())
 
 
-def test_kth_largest_search_and_greedy_rows_over_many_tiles():
+@pytest.mark.parametrize("row_splits", [1, 4])
+def test_kth_largest_search_and_greedy_rows_over_many_tiles(row_splits):
     """Rows of 3,000 logits in 47 tiles: top-k in the hundreds with top-p (the k-th largest found by pivot passes),
     ties at the k-th value, greedy rows whose largest value is tied (the first index wins, as argmax), and a
     vocabulary that is not a multiple of the tile. No draw leaves the reference's kept set."""
@@ -87,7 +104,7 @@ def test_kth_largest_search_and_greedy_rows_over_many_tiles():
     p = rng.choice([1.0, 0.5, 0.9, 0.99], rows).astype(np.float32)
     keys = jax.random.split(jax.random.PRNGKey(2), rows)
     tok = np.asarray(top_k_top_p_sampling(jnp.asarray(logits), keys, jnp.asarray(temp), jnp.asarray(k),
-                                          jnp.asarray(p), tile=64, interpret=True))
+                                          jnp.asarray(p), tile=64, row_splits=row_splits, interpret=True))
     scaled = logits / np.where(temp > 0, temp, 1.0)[:, None]
     kept = np.asarray(top_k_top_p_mask(jnp.asarray(scaled), jnp.asarray(k), jnp.asarray(p))) > -np.inf
     greedy = temp <= 0
@@ -100,15 +117,20 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="top_p"):
         top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2), jnp.zeros(2, jnp.int32),
                              jnp.ones(3))
+    with pytest.raises(ValueError, match="row_splits"):
+        top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2), jnp.zeros(2, jnp.int32),
+                             jnp.ones(2), row_splits=3)
     with pytest.raises(ValueError, match="tile"):
         top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2), jnp.zeros(2, jnp.int32),
                              jnp.ones(2), tile=48)
 
 
 @pytest.mark.parametrize("vocab", [49_152, 128_256])
-def test_kernel_lowers_for_cuda(vocab):
+@pytest.mark.parametrize("row_splits", [1, 4])
+def test_kernel_lowers_for_cuda(vocab, row_splits):
     spec = jax.ShapeDtypeStruct
     args = (spec((64, vocab), jnp.float32), spec((64, 2), jnp.uint32), spec((64,), jnp.float32),
             spec((64,), jnp.int32), spec((64,), jnp.float32))
-    text = lower_for_cuda(lambda *a: top_k_top_p_sampling(*a), *args)
+    text = lower_for_cuda(lambda *a: top_k_top_p_sampling(*a, row_splits=row_splits), *args)
     assert "triton" in text.lower()
+    assert ("top_k_top_p_first_pass_4_parts" in text) == (row_splits == 4)
