@@ -11,8 +11,9 @@ not, every token as unlikely is ruled out too, and so is everything below a seco
 to the most likely token when that pivot also fails. One program per row; each pass over the row
 accumulates per lane with no reduction inside its loop, and the draw of the next round comes from
 the lane sums of the check pass before it plus one column, so a round is one pass. When top-k and
-top-p are both on, the k-th largest logit (for the top-k mass) is found first, 4 pivots a pass
-around a guess interpolated from the counts at the bracket's ends. With row_splits > 1 the first pass (max,
+top-p are both on, the k-th largest logit (for the top-k mass) is found first: the k-th largest lane max bounds
+it from below and often is it (checked by one counting pass), then 4 pivots a pass around a guess interpolated
+from the counts at the bracket's ends. With row_splits > 1 the first pass (max,
 argmax, lane sums: no decision in it) is made by several programs per row in a kernel before, and merged.
 The reference (`reference_top_k_top_p_sampling`) sorts each row and masks.
 """
@@ -112,6 +113,7 @@ def reference_top_k_top_p_sampling(
 MAX_ROUNDS = 32  # rejection rounds before falling back to the argmax (always in the kept set)
 _SEARCH_PASSES = 40  # for the k-th largest logit (top-k and top-p both on): 4 pivots a pass, the bracket at
 _GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either side of an interpolated guess
+_LANE_BISECTIONS = 16  # steps of the bisection for the k-th largest lane max (in registers, no pass over the row)
 
 
 def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
@@ -141,7 +143,7 @@ def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
 
 def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):
     """One pass over tiles [lo, hi) of a row: (max, first argmax (vocab if none), per-lane mass [tile] as
-    sum exp(z - max), smallest finite logit, count of finite logits)."""
+    sum exp(z - max), smallest finite logit, count of finite logits, per-lane max [tile])."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
 
     def stats(z, i, c):  # per lane: running max, sum of exp below it, first argmax, finite min and count
@@ -160,20 +162,23 @@ def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):
     zmax = jnp.max(m)
     argmax = jnp.min(jnp.where(m == zmax, arg, vocab))
     lane_w = jnp.where(m > -jnp.inf, s * jnp.exp(jnp.where(m > -jnp.inf, m - zmax, 0.0)), 0.0)
-    return zmax, argmax, lane_w, jnp.min(zmin), jnp.sum(nfin)
+    return zmax, argmax, lane_w, jnp.min(zmin), jnp.sum(nfin), m
 
 
-def _row_part_stats_kernel(logits_ref, temperature_ref, w_ref, max_ref, arg_ref, min_ref, count_ref, *, vocab: int,
-                           tile: int, parts: int):
+def _row_part_stats_kernel(logits_ref, temperature_ref, w_ref, lane_max_ref, max_ref, arg_ref, min_ref, count_ref, *,
+                           vocab: int, tile: int, parts: int):
     """Program (row, part): `_row_stats` over part pl.program_id(1) of `parts` runs of the row's tiles, written
-    to w_ref [B, parts, tile] and max/arg/min/count_ref [B, parts] (merged by `_sampling_kernel`)."""
+    to w_ref and lane_max_ref [B, parts, tile] and max/arg/min/count_ref [B, parts] (merged by
+    `_sampling_kernel`)."""
     row, part = pl.program_id(0), pl.program_id(1)
     temp = temperature_ref[row]
     _, sweep = _row_reader(logits_ref, row, vocab, tile, 1.0 / jnp.where(temp > 0, temp, 1.0))
     per = pl.cdiv(pl.cdiv(vocab, tile), parts)
     lo = part * per
-    zmax, argmax, lane_w, zmin, nfin = _row_stats(sweep, vocab, tile, lo, jnp.minimum(lo + per, pl.cdiv(vocab, tile)))
+    zmax, argmax, lane_w, zmin, nfin, lane_max = _row_stats(sweep, vocab, tile, lo,
+                                                            jnp.minimum(lo + per, pl.cdiv(vocab, tile)))
     w_ref[row, part, :] = lane_w
+    lane_max_ref[row, part, :] = lane_max
     max_ref[row, part] = zmax
     arg_ref[row, part] = argmax
     min_ref[row, part] = zmin
@@ -200,15 +205,16 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
     inv_t = 1.0 / jnp.where(temp > 0, temp, 1.0)
     _, sweep = _row_reader(logits_ref, row, vocab, tile, inv_t)
     if parts > 1:  # the first pass, done by `parts` programs: merged
-        w_ref, max_ref, arg_ref, min_ref, count_ref, _ = refs
+        w_ref, lane_max_ref, max_ref, arg_ref, min_ref, count_ref, _ = refs
         part_max = max_ref[row, :]  # [parts]
         zmax = jnp.max(part_max)
         weight = jnp.where(part_max > -jnp.inf, jnp.exp(jnp.where(part_max > -jnp.inf, part_max - zmax, 0.0)), 0.0)
         lane_w = jnp.sum(w_ref[row, :, :] * weight[:, None], axis=0)  # [tile]
         argmax = jnp.min(jnp.where(part_max == zmax, arg_ref[row, :], vocab))
         zmin, nfin = jnp.min(min_ref[row, :]), jnp.sum(count_ref[row, :])
+        lane_max = jnp.max(lane_max_ref[row, :, :], axis=0)  # [tile]
     else:
-        zmax, argmax, lane_w, zmin, nfin = _row_stats(sweep, vocab, tile)
+        zmax, argmax, lane_w, zmin, nfin, lane_max = _row_stats(sweep, vocab, tile)
     zeros_f, zeros_i = jnp.zeros((tile,), jnp.float32), jnp.zeros((tile,), jnp.int32)
     out_ref[row] = jnp.where(argmax < vocab, argmax, 0)  # greedy rows, and rows whose rounds run out
 
@@ -249,9 +255,31 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
                 moved = (new_lo != lo) | (new_hi != hi)
                 return new_lo, new_hi, new_c_lo, new_c_hi, hit, found, moved, it + 1
 
-            lo0 = zmin
             hi0 = zmax + jnp.maximum(1.0, jnp.abs(zmax) * 1e-3)  # above every logit: count 0 < k
-            init = (lo0, hi0, nfin.astype(jnp.float32), nfin.astype(jnp.float32) * 0.0, lo0, False, True,
+            # The k-th largest lane max is a lower bound with count >= k, and often the answer: the k largest
+            # logits in k different lanes (a numpy simulation, 128k logits, k = 50: 22 of 30 rows; passes 4.1-4.6
+            # -> 1.7-1.8 on average). Found by bisection over the lanes (no pass over the row), then snapped to
+            # the lane max there; one counting pass checks it.
+            finite_lane = lane_max > -jnp.inf
+            use_lanes = k <= jnp.sum(finite_lane.astype(jnp.int32))
+
+            def bisect(_, c):  # count_lanes(>= lo) >= k > count_lanes(>= hi)
+                lo, hi = c
+                mid = (lo + hi) / 2
+                up = jnp.sum((lane_max >= mid).astype(jnp.int32)) >= k
+                return jnp.where(up, mid, lo), jnp.where(up, hi, mid)
+
+            lane_lo, _ = jax.lax.fori_loop(0, _LANE_BISECTIONS, bisect,
+                                           (jnp.min(jnp.where(finite_lane, lane_max, jnp.inf)), hi0))
+            bound = jnp.min(jnp.where(lane_max >= lane_lo, lane_max, jnp.inf))
+
+            def count_at_bound():
+                return jnp.sum(sweep(lambda z, _, c: c + (z >= bound).astype(jnp.int32), zeros_i))
+
+            c_bound = jax.lax.cond(use_lanes, count_at_bound, lambda: nfin)
+            lo0 = jnp.where(use_lanes, bound, zmin)
+            found0 = use_lanes & (c_bound == k)
+            init = (lo0, hi0, c_bound.astype(jnp.float32), nfin.astype(jnp.float32) * 0.0, lo0, found0, True,
                     jnp.int32(0))
             lo, _, _, _, hit, found, _, _ = jax.lax.while_loop(cond, body, init)
             return jnp.where(found, hit, lo)  # (not found: lo holds the k-th value and its ties)
@@ -365,11 +393,12 @@ def _top_k_top_p_sampling(logits, keys, temperature, top_k, top_p, *, tile, num_
     temperature = temperature.astype(jnp.float32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     first_pass = ()
-    if parts > 1:  # [B, parts, tile] lane sums, [B, parts] max / argmax / finite min / finite count
+    if parts > 1:  # [B, parts, tile] lane sums and maxima, [B, parts] max / argmax / finite min / finite count
         first_pass = pl.pallas_call(
             functools.partial(_row_part_stats_kernel, vocab=v, tile=tile, parts=parts),
             grid=(b, parts),
             out_shape=(jax.ShapeDtypeStruct((b, parts, tile), jnp.float32),
+                       jax.ShapeDtypeStruct((b, parts, tile), jnp.float32),
                        jax.ShapeDtypeStruct((b, parts), jnp.float32), jax.ShapeDtypeStruct((b, parts), jnp.int32),
                        jax.ShapeDtypeStruct((b, parts), jnp.float32), jax.ShapeDtypeStruct((b, parts), jnp.int32)),
             compiler_params=params,

@@ -113,6 +113,20 @@ def test_kth_largest_search_and_greedy_rows_over_many_tiles(row_splits):
     assert len(set(tok[~greedy & (k == 0) & (p == 1.0)])) > 1  # (sampled rows do sample)
 
 
+@pytest.mark.parametrize("row_splits", [1, 2])
+def test_top_k_largest_sharing_a_lane(row_splits):
+    """The k-th largest lane max only bounds the k-th largest logit when two of the k largest share a lane (tokens
+    j, j + tile, ...): here the three largest are all in lane 0, so the bound (lane 1's max) keeps 4 tokens and
+    the search must go on to the true 2nd largest. Top-p 0.95 then keeps both of the top 2 (top-k cuts the
+    3rd); top-p 0.5 only the first, where a top-k mass taken over the bound's 4 tokens would keep the second."""
+    logits = (np.random.default_rng(4).normal(size=200) * 0.5).astype(np.float32)
+    logits[[0, 32, 64, 1]] = [5.0, 4.9, 4.8, 3.0]
+    for p, kept in ((0.95, {0, 32}), (0.5, {0})):
+        want = filtered_probs(logits, 1.0, 2, p)
+        assert set(np.flatnonzero(want)) == kept
+        assert_draws_follow(draw(np.tile(logits, (N, 1)), 1.0, 2, p, tile=32, row_splits=row_splits), want)
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="top_p"):
         top_k_top_p_sampling(jnp.zeros((2, 5)), jax.random.PRNGKey(0), jnp.ones(2), jnp.zeros(2, jnp.int32),
