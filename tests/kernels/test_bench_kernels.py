@@ -231,3 +231,17 @@ def test_the_tuned_variant_reaches_the_engine_through_the_environment(tmp_path, 
     path.write_text(json.dumps({"rows": [{"head_dim": 64, "variants_ms": ms,
                                           "variants_max_abs_err": dict.fromkeys(names, 1e-3)}]}))
     assert _tuned_variant(str(path), head_dim=64) is None
+
+
+def test_sampler_passes_bench_counts_fewer_passes_from_the_lane_bound(tmp_path):
+    """The numpy mirror of the sampler's k-th-largest search: from the lane bound it never needs more passes on
+    average than from the row's minimum, and at k = 5 the bound is the answer (one counting pass)."""
+    import json
+
+    from jaxpaged.bench import sampler_passes
+
+    out = tmp_path / "passes.json"
+    rows = sampler_passes.main(["--rows", "3", "--vocab", "20000", "--tile", "1024", "--output", str(out)])
+    assert json.loads(out.read_text())["rows"] == rows and len(rows) == 6
+    assert all(r["passes_now_mean"] <= r["passes_before_mean"] for r in rows)
+    assert all(r["passes_now_max"] == 1 for r in rows if r["k"] == 5)
