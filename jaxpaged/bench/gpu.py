@@ -98,9 +98,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--with-step-variants", action="store_true",
                    help="also run the engine with its layers as a Python loop, and with XLA's conditionals and "
                         "while loops in its CUDA graphs (+140 s)")
+    p.add_argument("--skip", default="",
+                   help="stages to leave out, comma-separated (e.g. kernels_mosaic,jaxpaged_seqs256: a kernels-only "
+                        "run in a short device budget)")
     p.add_argument("--with-profile", action="store_true",
                    help="also trace the engine on a short run with the JAX profiler (+80 s; DIR/profile)")
     ns = p.parse_args(argv)
+    unknown = set(filter(None, ns.skip.split(","))) - set(STAGES)
+    if unknown:
+        p.error(f"--skip: no stage {', '.join(sorted(unknown))} (stages: {', '.join(STAGES)})")
     ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
     os.makedirs(ns.output_dir, exist_ok=True)
     from jaxpaged.bench.dummy_model import write_dummy_model
@@ -143,6 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          *((name, ns.with_step_variants) for name in STEP_VARIANTS)):
         if not wanted:
             del stages[name]
+    for name in filter(None, ns.skip.split(",")):
+        stages.pop(name, None)
     rows = []
     for name, cmd in stages.items():
         out = os.path.join(ns.output_dir, f"{name}.json")

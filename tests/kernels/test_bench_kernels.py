@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from jaxpaged.cli import build_parser
 
 
@@ -245,3 +247,11 @@ def test_sampler_passes_bench_counts_fewer_passes_from_the_lane_bound(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows and len(rows) == 6
     assert all(r["passes_now_mean"] <= r["passes_before_mean"] for r in rows)
     assert all(r["passes_now_max"] == 1 for r in rows if r["k"] == 5)
+
+
+def test_gpu_script_refuses_an_unknown_stage_to_skip(tmp_path, capsys):
+    from jaxpaged.bench import gpu
+
+    with pytest.raises(SystemExit):
+        gpu.main(["--skip", "kernels_mosaic,kernel", "--output-dir", str(tmp_path)])
+    assert "no stage kernel " in capsys.readouterr().err
