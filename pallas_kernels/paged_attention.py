@@ -328,9 +328,10 @@ def ragged_paged_attention(
             raise ValueError("token_seq: each sequence's tokens must be one contiguous run of rows")
     given = dict(block_m=block_m, kv_blocks=kv_blocks, num_splits=num_splits, fill_programs=fill_programs,
                  num_warps=num_warps, num_stages=num_stages)
-    variant = kernel_variant(q.shape[2], kv_pool.shape[3], q.shape[0], block_tables.shape[0])
-    block_m, kv_blocks, num_splits, fill_programs, num_warps, num_stages = (
-        variant[k] if v is None else v for k, v in given.items())
+    if None in given.values():  # (the environment read only where a setting is left out)
+        variant = kernel_variant(q.shape[2], kv_pool.shape[3], q.shape[0], block_tables.shape[0])
+        given = {k: variant[k] if v is None else v for k, v in given.items()}
+    block_m, kv_blocks, num_splits, fill_programs, num_warps, num_stages = given.values()
     for name, n in (("head_dim", q.shape[2]), ("block_size", kv_pool.shape[3]), ("block_m", block_m)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")

@@ -134,7 +134,7 @@ def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
     def sweep(fn, init, lo=0, hi=num_tiles):
         def body(i, c):
             z, carry = c
-            return load_tile(jnp.minimum(i + 1, num_tiles - 1)), fn(z, i, carry)
+            return load_tile(jnp.minimum(i + 1, hi - 1)), fn(z, i, carry)  # (no tile past hi: another part's)
 
         return jax.lax.fori_loop(lo, hi, body, (load_tile(jnp.minimum(lo, num_tiles - 1)), init))[1]
 
@@ -273,12 +273,15 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
                                            (jnp.min(jnp.where(finite_lane, lane_max, jnp.inf)), hi0))
             bound = jnp.min(jnp.where(lane_max >= lane_lo, lane_max, jnp.inf))
 
-            def count_at_bound():
-                return jnp.sum(sweep(lambda z, _, c: c + (z >= bound).astype(jnp.int32), zeros_i))
+            def count_at_bound():  # tokens >= the bound, and > it: the bound is the k-th value itself (ties
+                # and all) when fewer than k are above it
+                ge, gt = sweep(lambda z, _, c: (c[0] + (z >= bound).astype(jnp.int32),
+                                                c[1] + (z > bound).astype(jnp.int32)), (zeros_i, zeros_i))
+                return jnp.sum(ge), jnp.sum(gt)
 
-            c_bound = jax.lax.cond(use_lanes, count_at_bound, lambda: nfin)
+            c_bound, c_above = jax.lax.cond(use_lanes, count_at_bound, lambda: (nfin, nfin))
             lo0 = jnp.where(use_lanes, bound, zmin)
-            found0 = use_lanes & (c_bound == k)
+            found0 = use_lanes & (c_above < k)
             init = (lo0, hi0, c_bound.astype(jnp.float32), nfin.astype(jnp.float32) * 0.0, lo0, found0, True,
                     jnp.int32(0))
             lo, _, _, _, hit, found, _, _ = jax.lax.while_loop(cond, body, init)
