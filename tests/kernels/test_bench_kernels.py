@@ -236,8 +236,9 @@ def test_the_tuned_variant_reaches_the_engine_through_the_environment(tmp_path, 
 
 
 def test_sampler_passes_bench_counts_fewer_passes_from_the_lane_bound(tmp_path):
-    """The numpy mirror of the sampler's k-th-largest search: from the lane bound it never needs more passes on
-    average than from the row's minimum, and at k = 5 the bound is the answer (one counting pass)."""
+    """The numpy mirror of the sampler's k-th-largest search: from the lane bound it needs fewer passes than from
+    the row's minimum where k is small against the lanes (at most one more, the counting pass, where not), and at
+    k = 5 the bound is the answer (one counting pass) unless the row has ties."""
     import json
 
     from jaxpaged.bench import sampler_passes
@@ -245,7 +246,8 @@ def test_sampler_passes_bench_counts_fewer_passes_from_the_lane_bound(tmp_path):
     out = tmp_path / "passes.json"
     rows = sampler_passes.main(["--rows", "3", "--vocab", "20000", "--tile", "1024", "--output", str(out)])
     assert json.loads(out.read_text())["rows"] == rows and len(rows) == 9
-    assert all(r["passes_now_mean"] <= r["passes_before_mean"] for r in rows)
+    assert all(r["passes_now_mean"] < r["passes_before_mean"] for r in rows if r["k"] == 5)
+    assert all(r["passes_now_mean"] <= r["passes_before_mean"] + 1 for r in rows)
     assert all(r["passes_now_max"] == 1 for r in rows if r["k"] == 5 and "bf16" not in r["logits"])
 
 
