@@ -395,12 +395,20 @@ def _ragged_paged_attention(q, kv_pool, layer, block_tables, token_seq, position
     )(tile_start, tile_len, tile_splits, pad_tok(token_seq, -1), pad_tok(positions, 0),
       tables, jnp.reshape(layer, (1,)).astype(jnp.int32), qg, kv_pool)
     if num_splits > 1:
-        tile_of_token = jnp.searchsorted(tile_start, jnp.arange(tp, dtype=jnp.int32), side="right") - 1
-        token_splits = jnp.where(jnp.arange(tp) < t, tile_splits[jnp.clip(tile_of_token, 0, num_tiles - 1)], 1)
+        tile_of_token, in_tile = tiles_of_tokens(tile_start, tile_len, tp)
+        token_splits = jnp.where(in_tile, tile_splits[tile_of_token], 1)
         written = jnp.arange(num_splits)[:, None] < jnp.repeat(token_splits, group_pad)[None, :]  # [S, rows]
         out = combine_splits(*out, written[:, None, :]).astype(q.dtype)
     out = out.reshape(kh, tp, group_pad, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return jnp.where((token_seq >= 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def tiles_of_tokens(tile_start: Int[Array, "N"], tile_len: Int[Array, "N"], num_tokens: int):
+    """Each token row's query tile (`query_tiles`' order: starts ascending, unused tiles last) and whether it is
+    in one (padding rows are not): ([num_tokens] tile index, [num_tokens] bool)."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    tile = jnp.maximum(jnp.searchsorted(tile_start, rows, side="right") - 1, 0)
+    return tile, (rows >= tile_start[tile]) & (rows < tile_start[tile] + tile_len[tile])
 
 
 def splits_per_tile(tile_start: Int[Array, "N"], tile_len: Int[Array, "N"], positions: Int[Array, "T"],
@@ -409,12 +417,8 @@ def splits_per_tile(tile_start: Int[Array, "N"], tile_len: Int[Array, "N"], posi
     """How many programs split each query tile's walk over its context: enough for ~fill_programs programs over
     the non-empty tiles x KV heads, at most num_splits, and no more than gives each split 2 steps of `chunk`
     keys (a short context runs whole)."""
-    t = positions.shape[0]
-    rows = jnp.arange(t, dtype=jnp.int32)
-    tile_of_token = jnp.searchsorted(tile_start, rows, side="right") - 1
-    in_tile = (tile_of_token >= 0) & (rows < tile_start[jnp.maximum(tile_of_token, 0)]
-                                      + tile_len[jnp.maximum(tile_of_token, 0)])
-    last = jax.ops.segment_max(jnp.where(in_tile, positions, 0), jnp.where(in_tile, tile_of_token, 0),
+    tile_of_token, in_tile = tiles_of_tokens(tile_start, tile_len, positions.shape[0])
+    last = jax.ops.segment_max(jnp.where(in_tile, positions, 0), tile_of_token,
                                num_segments=tile_start.shape[0])  # [N] the tile's last position
     keys = jnp.maximum(last, 0) + 1
     if sliding_window is not None:

@@ -116,10 +116,10 @@ _GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either 
 _LANE_BISECTIONS = 16  # steps of the bisection for the k-th largest lane max (in registers, no pass over the row)
 
 
-def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
-    """(load_tile, sweep) over one row of logits_ref [B, V]: load_tile(i) is tile i's [tile] scaled logits (-inf
-    past the vocabulary); sweep(fn, init, lo, hi) folds fn(z, i, carry) over tiles [lo, hi), the next tile's load
-    issued before this one's work."""
+def _row_sweep(logits_ref, row, vocab: int, tile: int, inv_t):
+    """sweep(fn, init, lo, hi) over one row of logits_ref [B, V]: fn(z, i, carry) folded over tiles [lo, hi), z
+    tile i's [tile] scaled logits (-inf past the vocabulary), the next tile's load issued before this one's
+    work."""
     width = logits_ref.shape[1]  # vocab, or padded to a multiple of tile (the interpreter's input)
     num_tiles = pl.cdiv(vocab, tile)
     lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
@@ -138,10 +138,10 @@ def _row_reader(logits_ref, row, vocab: int, tile: int, inv_t):
 
         return jax.lax.fori_loop(lo, hi, body, (load_tile(jnp.minimum(lo, num_tiles - 1)), init))[1]
 
-    return load_tile, sweep
+    return sweep
 
 
-def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):
+def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):  # (hi None: the row's end)
     """One pass over tiles [lo, hi) of a row: (max, first argmax (vocab if none), per-lane mass [tile] as
     sum exp(z - max), smallest finite logit, count of finite logits, per-lane max [tile])."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
@@ -158,7 +158,7 @@ def _row_stats(sweep, vocab: int, tile: int, lo=0, hi=None):
     init = (jnp.full((tile,), -jnp.inf, jnp.float32), jnp.zeros((tile,), jnp.float32),
             jnp.full((tile,), vocab, jnp.int32), jnp.full((tile,), jnp.inf, jnp.float32),
             jnp.zeros((tile,), jnp.int32))
-    m, s, arg, zmin, nfin = sweep(stats, init, lo, hi) if hi is not None else sweep(stats, init)
+    m, s, arg, zmin, nfin = sweep(stats, init, lo, pl.cdiv(vocab, tile) if hi is None else hi)
     zmax = jnp.max(m)
     argmax = jnp.min(jnp.where(m == zmax, arg, vocab))
     lane_w = jnp.where(m > -jnp.inf, s * jnp.exp(jnp.where(m > -jnp.inf, m - zmax, 0.0)), 0.0)
@@ -172,7 +172,7 @@ def _row_part_stats_kernel(logits_ref, temperature_ref, w_ref, lane_max_ref, max
     `_sampling_kernel`)."""
     row, part = pl.program_id(0), pl.program_id(1)
     temp = temperature_ref[row]
-    _, sweep = _row_reader(logits_ref, row, vocab, tile, 1.0 / jnp.where(temp > 0, temp, 1.0))
+    sweep = _row_sweep(logits_ref, row, vocab, tile, 1.0 / jnp.where(temp > 0, temp, 1.0))
     per = pl.cdiv(pl.cdiv(vocab, tile), parts)
     lo = part * per
     zmax, argmax, lane_w, zmin, nfin, lane_max = _row_stats(sweep, vocab, tile, lo,
@@ -203,7 +203,7 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
     lane = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
     temp = temperature_ref[row]
     inv_t = 1.0 / jnp.where(temp > 0, temp, 1.0)
-    _, sweep = _row_reader(logits_ref, row, vocab, tile, inv_t)
+    sweep = _row_sweep(logits_ref, row, vocab, tile, inv_t)
     if parts > 1:  # the first pass, done by `parts` programs: merged
         w_ref, lane_max_ref, max_ref, arg_ref, min_ref, count_ref, _ = refs
         part_max = max_ref[row, :]  # [parts]

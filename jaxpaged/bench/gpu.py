@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--with-profile", action="store_true",
                    help="also trace the engine on a short run with the JAX profiler (+80 s; DIR/profile)")
     ns = p.parse_args(argv)
-    unknown = set(filter(None, ns.skip.split(","))) - set(STAGES)
+    ns.skip = set(filter(None, ns.skip.split(",")))
+    unknown = ns.skip - set(STAGES)
     if unknown:
         p.error(f"--skip: no stage {', '.join(sorted(unknown))} (stages: {', '.join(STAGES)})")
     ns.num_prompts, ns.input_len, ns.output_len = (16, "8:32", "8") if ns.smoke else (1024, "16:512", "128")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          *((name, ns.with_step_variants) for name in STEP_VARIANTS)):
         if not wanted:
             del stages[name]
-    for name in filter(None, ns.skip.split(",")):
+    for name in ns.skip:
         stages.pop(name, None)
     rows = []
     for name, cmd in stages.items():

@@ -5,12 +5,12 @@ JSON: `python -m jaxpaged.bench.moe_paths [--output moe_paths.json]`."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import numpy as np
 
+from jaxpaged.bench.throughput import write_json
 from jaxpaged.models.layers import moe_mlp
 
 # (tokens, hidden, experts, expert ffn, top-k): decode-sized to prefill-sized steps, Mixtral-like and many-expert
@@ -45,9 +45,7 @@ def main(argv=None) -> list[dict]:
                    platform=jax.default_backend())
         rows.append(row)
         print(f"{t:>6} {e:>6} {x:>7} {f:>5} {k:>5} {ms[True]:>10.1f} {ms[False]:>10.1f} {ms[True] / ms[False]:>14.1f}x")
-    if ns.output:
-        with open(ns.output, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_json(rows, ns.output)
     return rows
 
 

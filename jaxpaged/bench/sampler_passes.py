@@ -7,10 +7,10 @@ against from the k-th largest lane max (now). A pass over 128k logits costs one 
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
+from jaxpaged.bench.throughput import write_json
 from pallas_kernels.sampling import _GUESS_WIDTH, _LANE_BISECTIONS, _SEARCH_PASSES
 
 ROWS = {  # name -> one row of scaled logits (temperature applied)
@@ -87,10 +87,7 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             print(f"{name:<34}{k:>6}{np.mean(before):>20.1f}, {max(before):>5}{np.mean(now):>11.1f}, {max(now):>4}"
                   f"{exact:>9} / {ns.rows}")
-    if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-        print(f"wrote {ns.output}")
+    write_json({"rows": rows}, ns.output)
     return rows
 
 

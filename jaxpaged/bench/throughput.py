@@ -338,7 +338,7 @@ def _report(results: list[dict], ns: argparse.Namespace) -> list[dict]:
     return results
 
 
-def write_json(results: list[dict], path: str | None) -> None:
+def write_json(results: list[dict] | dict, path: str | None) -> None:
     """Write the results to `path` (folders made as needed); nothing when it is empty."""
     if not path:
         return
