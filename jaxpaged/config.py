@@ -7,6 +7,7 @@ turns them into frozen config dataclasses once the model is known.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -166,6 +167,13 @@ class SchedulerConfig:
         from jaxpaged.runner.buckets import token_buckets
 
         return token_buckets(self.max_num_batched_tokens, fine=self.fine_token_buckets)
+
+
+def fine_token_buckets_for(gpu: bool) -> bool:
+    """Fine buckets on CPU, coarse on GPU; $JAXPAGED_FINE_TOKEN_BUCKETS=0/1 overrides (fewer buckets compile
+    faster: the test suite runs coarse)."""
+    env = os.environ.get("JAXPAGED_FINE_TOKEN_BUCKETS", "")
+    return not gpu if env == "" else env not in ("0", "off", "false")
 
 
 @dataclass(frozen=True)
@@ -472,7 +480,7 @@ class EngineArgs:
             max_prefill_tokens_with_decodes=(self.max_prefill_tokens_with_decodes
                                              if self.max_prefill_tokens_with_decodes is not None
                                              else 0 if gpu else 512),
-            fine_token_buckets=not gpu,
+            fine_token_buckets=fine_token_buckets_for(gpu),
             num_lookahead_tokens=(spec.num_speculative_tokens
                                   if spec is not None and spec.method == "draft_model" else 0),
         )

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
-os.environ.setdefault("JAXPAGED_COMPILATION_CACHE", "off")  # tests measure nothing from the disk cache
+# One persistent compilation cache for the run (a temporary folder, made by the first process: xdist's workers and
+# the tests' subprocesses inherit it), so a step that several modules compile at the same shapes compiles once and
+# is loaded from disk after that. Tests of the caches themselves point JAXPAGED_COMPILATION_CACHE elsewhere.
+if "JAXPAGED_COMPILATION_CACHE" not in os.environ:
+    _RUN_CACHE = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
+    os.environ["JAXPAGED_COMPILATION_CACHE"] = os.path.join(_RUN_CACHE, "xla")
+    atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
+# Engines compile the GPU's coarse token buckets (16, 32, 64, ...: ~40% fewer step compiles than CPU's fine ones);
+# the fine buckets keep their own tests (tests/runner/test_buckets.py).
+os.environ.setdefault("JAXPAGED_FINE_TOKEN_BUCKETS", "0")
 # 8 CPU devices (before JAX starts), for the tensor-parallel tests; a single-device step still runs on the first
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+from jaxpaged.runner.model_runner import enable_persistent_compilation_cache  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
+
+enable_persistent_compilation_cache()  # (for every test's jitted code, not only the engines' steps)
 
 
 @pytest.fixture(autouse=True, scope="module")

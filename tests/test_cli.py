@@ -27,9 +27,8 @@ def jaxpaged_command() -> str:
 
 
 def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`jaxpaged ARGS` with torch hidden (a base install has none) and no compilation cache."""
-    env = {**os.environ, "PYTHONPATH": NO_TORCH_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAXPAGED_COMPILATION_CACHE": "off"}
+    """`jaxpaged ARGS` with torch hidden (a base install has none), on the run's compilation cache."""
+    env = {**os.environ, "PYTHONPATH": NO_TORCH_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([jaxpaged_command(), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _start(process_id: int, port: int, model: str, out: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAXPAGED_COMPILATION_CACHE": "off",
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "PYTHONPATH": ROOT}
     return subprocess.Popen([sys.executable, "-m", "tests.distributed.multihost_worker", str(process_id), str(port),
                              model, out, *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

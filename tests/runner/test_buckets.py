@@ -23,8 +23,17 @@ def test_fine_buckets_add_halfway_steps_and_under_a_serving_budget_start_at_8_wi
     assert token_buckets(8192, fine=True)[-4:] == [1024, 2048, 4096, 8192]  # (chunked prefill off: few compiles)
 
 
-def test_the_scheduler_and_runner_share_one_list_and_cpu_gets_fine_buckets():
+def test_the_scheduler_and_runner_share_one_list_and_cpu_gets_fine_buckets(monkeypatch):
+    monkeypatch.delenv("JAXPAGED_FINE_TOKEN_BUCKETS", raising=False)  # (the suite runs coarse: conftest.py)
     cfg = EngineArgs(max_num_batched_tokens=512).scheduler_config(model_max_len=4096)
     assert cfg.fine_token_buckets  # these tests run on CPU
     assert cfg.token_buckets() == token_buckets(512, fine=True)
     assert SchedulerConfig(max_num_batched_tokens=512).token_buckets() == token_buckets(512)
+
+
+def test_the_environment_overrides_the_platform_choice(monkeypatch):
+    monkeypatch.setenv("JAXPAGED_FINE_TOKEN_BUCKETS", "0")
+    assert EngineArgs(max_num_batched_tokens=64).scheduler_config(model_max_len=4096).token_buckets() == [16, 32, 64]
+    monkeypatch.setenv("JAXPAGED_FINE_TOKEN_BUCKETS", "1")
+    assert EngineArgs(max_num_batched_tokens=64).scheduler_config(model_max_len=4096).token_buckets() == [
+        16, 24, 32, 48, 64]

@@ -16,7 +16,7 @@ AFTER_RESTORE = 64  # tokens after a restore that must match an uninterrupted ru
 
 
 def start_server(model: str, port: int, timeout: float) -> subprocess.Popen:
-    env = {**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"}
+    env = dict(os.environ)
     return subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
                              "--num-kv-blocks", "2100", "--max-model-len", "32768", "--max-num-batched-tokens", "64",
                              "--shutdown-timeout", str(timeout)], env=env, stdout=subprocess.PIPE,
@@ -135,7 +135,7 @@ def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_f
     proc = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
                              "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
                              "--shutdown-timeout", "1", "--snapshot-dir", snaps],
-                            env={**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"}, stdout=subprocess.PIPE,
+                            env=dict(os.environ), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         wait_healthy(base)
@@ -161,7 +161,7 @@ def test_sigterm_with_a_snapshot_dir_saves_running_requests_and_the_next_start_f
 
     proc = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "--model", model, "--port", str(port),
                              "--num-kv-blocks", "1100", "--max-model-len", "8192", "--max-num-batched-tokens", "64",
-                             "--snapshot-dir", snaps], env={**os.environ, "JAXPAGED_COMPILATION_CACHE": "off"},
+                             "--snapshot-dir", snaps], env=dict(os.environ),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     outputs_file = os.path.join(snaps, "restored_outputs.jsonl")
     try:
