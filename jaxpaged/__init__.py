@@ -9,4 +9,4 @@ from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
-__version__ = "0.1.0"
+from jaxpaged.version import __version__  # noqa: F401

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+logger = logging.getLogger(__name__)
+
 
 def _generate(ns: argparse.Namespace) -> None:
     """Validate everything cheap first (flags, sampling values, prompt lengths), then load and generate."""
@@ -16,7 +18,7 @@ def _generate(ns: argparse.Namespace) -> None:
 
     args = EngineArgs.from_cli_args(ns)
     if args.process_id > 0:
-        return _follow(args)
+        return follow_process_zero(args)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
                             seed=ns.sampling_seed)
     setup = prepare_model(args)
@@ -37,17 +39,23 @@ def _generate(ns: argparse.Namespace) -> None:
 
 
 def _convert(ns: argparse.Namespace) -> None:
-    from jaxpaged.models.converted import convert
+    from jaxpaged.models.convert import convert
     from jaxpaged.models.registry import default_model_path
 
     print(convert(ns.model or default_model_path(), ns.out, dtype=ns.dtype, load_format=ns.load_format))
 
 
-def _follow(args) -> None:
-    """Processes other than 0 (`--process-id N`): run process 0's steps until it stops."""
-    from jaxpaged.distributed.multihost import follow
+def follow_process_zero(args) -> None:
+    """Processes other than 0 (`--process-id N`): build the engine as process 0 does, then run its steps until
+    it stops."""
+    import jax
 
-    follow(args)
+    from jaxpaged.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(args)
+    logger.info("Process %d of %d: running process 0's steps", jax.process_index(), jax.process_count())
+    engine.core.runner.channel.follow()
+    logger.info("Process %d: process 0 stopped; exiting", jax.process_index())
 
 
 def _serve(ns: argparse.Namespace) -> None:
@@ -55,7 +63,7 @@ def _serve(ns: argparse.Namespace) -> None:
     from server.serve import main as serve_main
 
     if ns.process_id > 0:
-        return _follow(EngineArgs.from_cli_args(ns))
+        return follow_process_zero(EngineArgs.from_cli_args(ns))
     serve_main(ns)
 
 
@@ -74,6 +82,13 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
     return port
+
+
+def _bench_serve(ns: argparse.Namespace) -> dict:
+    """`bench serve`: a load against a live server, or with --disagg one engine against a prefill/decode split."""
+    from jaxpaged.bench import disagg, serve
+
+    return disagg.main(ns) if ns.disagg else serve.main(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=throughput.main)
     sv = bench_sub.add_parser("serve", help="streaming load against an OpenAI-compatible server")
     serve_bench.add_args(sv)
-    sv.set_defaults(func=serve_bench.main)
+    sv.set_defaults(func=_bench_serve)
     dm = bench_sub.add_parser("dummy-model", help="write a weightless Llama-shaped model folder (load_format dummy)")
     dm.add_argument("output", help="the folder to write")
     dm.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="(default: %(default)s)")

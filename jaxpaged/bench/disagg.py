@@ -87,6 +87,12 @@ def _bench(ns, url: str, label: str) -> dict:
 
 def main(ns) -> dict:
     """Run the workload on one engine, then on the split; print both side by side and write the JSON."""
+    from jaxpaged.bench.serve import parse_long_prompts
+
+    if "," in str(ns.request_rate):
+        raise SystemExit("--disagg runs one request rate")
+    if ns.long_prompts:
+        parse_long_prompts(ns.long_prompts)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--disagg needs at least 2 CPU cores (one for each instance)")

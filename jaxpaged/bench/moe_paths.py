@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpaged.bench.throughput import write_json
+from jaxpaged.bench.report import write_json
 from jaxpaged.models.layers import moe_mlp
 
 # (tokens, hidden, experts, expert ffn, top-k): decode-sized to prefill-sized steps, Mixtral-like and many-expert

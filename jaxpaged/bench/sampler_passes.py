@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from jaxpaged.bench.throughput import write_json
+from jaxpaged.bench.report import write_json
 from pallas_kernels.sampling import _GUESS_WIDTH, _LANE_BISECTIONS, _SEARCH_PASSES
 
 ROWS = {  # name -> one row of scaled logits (temperature applied)

@@ -262,14 +262,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> dict:
-    if getattr(ns, "disagg", False):
-        from jaxpaged.bench import disagg
-
-        if "," in str(ns.request_rate):
-            raise SystemExit("--disagg runs one request rate")
-        if ns.long_prompts:
-            parse_long_prompts(ns.long_prompts)
-        return disagg.main(ns)
+    if getattr(ns, "disagg", False):  # (jaxpaged bench serve --disagg routes to jaxpaged.bench.disagg)
+        raise SystemExit("--disagg: run `jaxpaged bench serve --disagg` (jaxpaged.bench.disagg.main)")
     if ns.model is None:
         import urllib.request
 

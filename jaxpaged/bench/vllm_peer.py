@@ -12,6 +12,7 @@ import os
 import subprocess
 import tempfile
 
+from jaxpaged.bench.report import summarize
 from jaxpaged.bench.workload import BenchRequest
 from jaxpaged.config import EngineArgs
 
@@ -42,8 +43,6 @@ if __name__ == "__main__":
 
 def run_vllm(reqs: list[BenchRequest], engine_args: EngineArgs, python: str | None, temperature: float) -> dict:
     """Run the workload through vLLM with the same limits as jaxpaged's engine flags; returns a summary row."""
-    from jaxpaged.bench.throughput import summarize
-
     if not python or not os.path.exists(python):
         raise ValueError("--vllm-python: the python of a virtual environment with vLLM installed is needed")
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs)

@@ -35,7 +35,7 @@ from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
 from jaxpaged.core.kv_shares import KVShares
 from jaxpaged.core.step_costs import StepCosts
 from jaxpaged.request import Request, RequestStatus
-from jaxpaged.runner.buckets import pick_token_bucket
+from jaxpaged.config.buckets import pick_token_bucket
 
 
 @dataclass(slots=True)

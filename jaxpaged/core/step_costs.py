@@ -16,7 +16,7 @@ small against the jump it avoids, which is rare.
 
 from __future__ import annotations
 
-from jaxpaged.runner.buckets import pick_token_bucket
+from jaxpaged.config.buckets import pick_token_bucket
 
 # a split must beat taking everything by this fraction (step times are measured once, with some noise)
 MIN_GAIN = 0.05

@@ -47,7 +47,7 @@ class SnapshotError(ValueError):
 
 
 def _jaxpaged_version() -> str:
-    from jaxpaged import __version__
+    from jaxpaged.version import __version__
 
     return __version__
 

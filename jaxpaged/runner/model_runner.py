@@ -28,19 +28,24 @@ from tqdm.auto import tqdm
 
 from jaxpaged.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
 from jaxpaged.config import EngineConfig
+from jaxpaged.config.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.core.scheduler import SchedulerOutput
-from jaxpaged.distributed import multihost
 from jaxpaged.distributed.multihost import place, to_host
 from jaxpaged.distributed.tensor_parallel import pool_sharding, replicated
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.logits_processors import RowState, update_row_state, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.runner import step_channel
 from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
-from jaxpaged.runner.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.sample_rows import sample_rows
 from jaxpaged.runner.step_cache import StepCache, step_cache_dir
-from jaxpaged.runner.step_input import StepGeometry, StepPacker, StepPlan, build_step_input
+from jaxpaged.runner.step_input import (
+    StepGeometry,
+    StepPacker,
+    StepPlan,
+    build_step_input,
+)
 from jaxpaged.runner.step_loader import StepLoader
 from jaxpaged.sampler import SamplerOutput, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
@@ -284,7 +289,7 @@ class ModelRunner:
         self.row_state = self._replicated(RowState.zeros(self.num_rows, mc.vocab_size))
         self.last_token = self._replicated(jnp.zeros(self.num_rows, jnp.int32))
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
-        self.channel = multihost.attach(self)  # a mesh over several processes: process 0 sends each device call
+        self.channel = step_channel.attach(self)  # a mesh over several processes: process 0 sends each device call
 
     @property
     def kv_pool(self) -> jax.Array:

@@ -2,7 +2,7 @@
 the step verifies them in one forward pass (k + 1 query tokens per sequence through the ragged attention) and
 rejection sampling keeps the target distribution exactly; rejected tokens' KV is rolled back."""
 
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.config.speculative import SpeculativeConfig
 from jaxpaged.spec_decode.ngram import propose_ngram
 
 __all__ = ["SpeculativeConfig", "propose_ngram"]

@@ -9,7 +9,7 @@ import json
 import sys
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.distributed.multihost import follow
+from jaxpaged.cli import follow_process_zero as follow
 
 
 def main() -> None:

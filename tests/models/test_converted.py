@@ -9,7 +9,8 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.cli import main
-from jaxpaged.models.converted import MARKER, convert
+from jaxpaged.models.convert import convert
+from jaxpaged.models.converted import MARKER
 from jaxpaged.models.registry import load_hf_config, load_weights, model_config_from_hf
 
 

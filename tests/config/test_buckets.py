@@ -1,7 +1,7 @@
 """Token buckets: what the runner compiles and the scheduler fills."""
 
 from jaxpaged.config import EngineArgs, SchedulerConfig
-from jaxpaged.runner.buckets import pick_token_bucket, token_buckets
+from jaxpaged.config.buckets import pick_token_bucket, token_buckets
 
 
 def test_powers_of_two_then_the_budget():
