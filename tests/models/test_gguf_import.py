@@ -239,7 +239,7 @@ def test_gguf_weights_give_the_hf_models_logits(tmp_path, tiny, arch):
     import transformers
 
     from jaxpaged.models import build_model, model_config_from_hf
-    from tests.reference import hf_last_logits, our_last_logits
+    from tests.reference import hf_last_logits, our_last_logits_batch
     from tests.tiny_models import tiny_config
 
     torch.manual_seed(0)
@@ -265,9 +265,9 @@ def test_gguf_weights_give_the_hf_models_logits(tmp_path, tiny, arch):
         assert {k: cfg.rope_scaling[k] for k in want} == want
     model = build_model(cfg, per_layer=True)
     rng = np.random.default_rng(0)
-    for n in (1, 7, 40):
-        ids = rng.integers(3, config.vocab_size, size=n).tolist()
-        np.testing.assert_allclose(our_last_logits(model, ids), hf_last_logits(hf, ids), atol=1e-4)
+    prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (1, 7, 40)]
+    for ids, ours in zip(prompts, our_last_logits_batch(model, prompts)):
+        np.testing.assert_allclose(ours, hf_last_logits(hf, ids), atol=1e-4)
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 / 3.3 and Llama 3.2

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.reference import chat_prompt_ids, hf_greedy, hf_last_logits, our_last_logits
+from tests.reference import (
+    chat_prompt_ids,
+    hf_greedy,
+    hf_last_logits,
+    our_last_logits_batch,
+)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -57,10 +62,10 @@ def test_last_logits_match_hf(smollm2, hf_smollm2):
     from flax import nnx
 
     model = nnx.merge(*model)
+    prompts = [list(chat_ids(llm, q)) for q in QUESTIONS]
     worst = 0.0
-    for q in QUESTIONS:
-        ids = list(chat_ids(llm, q))
-        worst = max(worst, float(np.abs(our_last_logits(model, ids) - hf_last_logits(hf_smollm2, ids)).max()))
+    for ids, ours in zip(prompts, our_last_logits_batch(model, prompts)):
+        worst = max(worst, float(np.abs(ours - hf_last_logits(hf_smollm2, ids)).max()))
     print(f"SmolLM2: max |logits - HF| = {worst:.2e}")
     assert worst < 1e-3
 
