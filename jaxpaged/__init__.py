@@ -1,6 +1,6 @@
 """jaxpaged: high-throughput LLM inference on JAX with a paged KV cache and continuous batching."""
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.llm import LLM

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 def _generate(ns: argparse.Namespace) -> None:
     """Validate everything cheap first (flags, sampling values, prompt lengths), then load and generate."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.arg_utils import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine, check_prompt_length, prepare_model
 
     args = EngineArgs.from_cli_args(ns)
@@ -59,7 +59,7 @@ def follow_process_zero(args) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> None:
-    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.arg_utils import EngineArgs
     from server.serve import main as serve_main
 
     if ns.process_id > 0:
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import serve as serve_bench
     from jaxpaged.bench import throughput
     from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
-    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.arg_utils import EngineArgs
 
     parser = argparse.ArgumentParser(prog="jaxpaged", description="High-throughput LLM inference on JAX.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")

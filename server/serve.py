@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.tenants import Tenant, load_tenants
 from server.app import create_app

@@ -28,7 +28,7 @@ for flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiza
     if flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
-from jaxpaged.runner.model_runner import enable_persistent_compilation_cache  # noqa: E402
+from jaxpaged.runner.compilation import enable_persistent_compilation_cache  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 enable_persistent_compilation_cache()  # (for every test's jitted code, not only the engines' steps)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged import functional as F
-from jaxpaged.runner.model_runner import CompileGuard
+from jaxpaged.runner.compilation import CompileGuard
 from tests.reference import chat_prompt_ids, hf_greedy
 from tests.tiny_models import load_hf_model
 

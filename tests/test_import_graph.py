@@ -144,6 +144,12 @@ def test_only_the_command_line_imports_the_server():
                   for t in ts if t.startswith("server")) == []
 
 
+def test_the_runner_reads_the_schedulers_output_contract_not_the_scheduler():
+    graph = import_graph()
+    assert sorted((m, t) for m, ts in graph.items() if room(m) == "jaxpaged.runner" for t in ts
+                  if t.startswith("jaxpaged.core") and t != "jaxpaged.core.sched.output") == []
+
+
 def test_the_checks_see_a_circle():
     """(The checks above can fail: a made-up circle is found.)"""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 
 def fixed_batch(num_prompts: int, input_len: int, vocab: int, seed: int, special: set[int]) -> np.ndarray:

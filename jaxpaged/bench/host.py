@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from jaxpaged.bench.dummy_model import write_dummy_model
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 PHASES = ("schedule", "execute", "fetch", "update", "outputs")
 

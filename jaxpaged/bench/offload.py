@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 
 def _ttft(llm, prompt: list[int]) -> tuple[float, int]:

@@ -12,6 +12,7 @@ import argparse
 import logging
 import time
 
+from jaxpaged.bench.report import print_table, summarize, write_json
 from jaxpaged.bench.workload import (
     BenchRequest,
     copy_workload,
@@ -19,8 +20,7 @@ from jaxpaged.bench.workload import (
     random_token_workload,
     shared_prefix_workload,
 )
-from jaxpaged.bench.report import print_table, summarize, write_json
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 

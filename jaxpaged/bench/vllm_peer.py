@@ -14,7 +14,7 @@ import tempfile
 
 from jaxpaged.bench.report import summarize
 from jaxpaged.bench.workload import BenchRequest
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 _SCRIPT = r"""
 import json, sys, time

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from jaxpaged.core import block_pool
 from jaxpaged.core.block_pool import BlockPool, KVCacheBlock
+from jaxpaged.core.sched.output import BlockCopy
 from jaxpaged.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -14,13 +15,6 @@ if TYPE_CHECKING:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class BlockCopy(NamedTuple):
-    """Copy the K/V of physical block `src` into block `dst` (all layers) before the step writes."""
-
-    src: int
-    dst: int
 
 
 class KVCacheManager:

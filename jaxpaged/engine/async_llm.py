@@ -21,8 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from jaxpaged.config import EngineArgs
 from jaxpaged.distributed.multihost import KEEPALIVE_SECONDS
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.data_parallel import DataParallelCore
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.sched.output import SchedulerOutput
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.engine.step_clock import StepClock
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.request import Request, RequestStatus

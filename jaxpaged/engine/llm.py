@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind

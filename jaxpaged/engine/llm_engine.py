@@ -21,7 +21,6 @@ from flax import nnx
 from jaxpaged.attention import empty_kv_pool_soon
 from jaxpaged.config import (
     CacheConfig,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -32,8 +31,14 @@ from jaxpaged.config import (
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.distributed import multihost
 from jaxpaged.distributed.tensor_parallel import check_tensor_parallel, replica_meshes
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.core import EngineCore, StepStats
 from jaxpaged.engine.data_parallel import DataParallelCore
+from jaxpaged.engine.kv_cache_sizing import (
+    num_host_blocks,
+    num_kv_blocks,
+    offload_settings,
+)
 from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
@@ -47,7 +52,6 @@ from jaxpaged.models.registry import (
     model_config_from_hf,
 )
 from jaxpaged.request import Request, RequestOutput, RequestStatus, check_cache_salt
-from jaxpaged.runner.kv_cache_sizing import num_host_blocks, num_kv_blocks, offload_settings
 from jaxpaged.sampling_params import SamplingParams, row_seed
 from jaxpaged.spec_decode.draft_model import draft_model_config
 from jaxpaged.structured import StructuredOutputManager

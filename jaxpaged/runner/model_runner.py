@@ -14,10 +14,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -29,209 +27,34 @@ from tqdm.auto import tqdm
 from jaxpaged.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
 from jaxpaged.config import EngineConfig
 from jaxpaged.config.buckets import pick_token_bucket, seq_bucket
-from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.distributed.multihost import place, to_host
 from jaxpaged.distributed.tensor_parallel import pool_sharding, replicated
 from jaxpaged.kv_offload import KVOffload
-from jaxpaged.logits_processors import RowState, update_row_state, write_rows
+from jaxpaged.logits_processors import RowState, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
-from jaxpaged.runner import step_channel
+from jaxpaged.runner import device_step, step_channel
 from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
+from jaxpaged.runner.compilation import (
+    CompileGuard,
+    enable_persistent_compilation_cache,
+)
 from jaxpaged.runner.input_batch import InputBatch
-from jaxpaged.runner.sample_rows import sample_rows
 from jaxpaged.runner.step_cache import StepCache, step_cache_dir
 from jaxpaged.runner.step_input import (
     StepGeometry,
     StepPacker,
-    StepPlan,
     build_step_input,
 )
 from jaxpaged.runner.step_loader import StepLoader
-from jaxpaged.sampler import SamplerOutput, token_logprobs
-from jaxpaged.sampling_params import MAX_LOGPROBS
-from jaxpaged.spec_decode.draft_model import propose_drafts
-from jaxpaged.spec_decode.rejection import verify_drafts
+from jaxpaged.runner.step_records import PreparedStep, StepHandle, StepResult
+from jaxpaged.runner.step_results import StepResultReader
 from jaxpaged.structured.manager import StructuredOutputManager
 from pallas_kernels.cpu_attention import TARGET as CPU_ATTENTION_TARGET
 from pallas_kernels.cpu_dense import TARGET as CPU_DENSE_TARGET
 from pallas_kernels.cpu_rope import TARGET as CPU_ROPE_TARGET
 
 logger = logging.getLogger(__name__)
-
-DONATED = (1, 2, 3, 8)  # the step's arguments updated in place: KV pool, processor rows, last tokens, draft pool
-
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-
-
-class CompileGuard:
-    """Counts JAX traces and compiles; `watch()` raises if any happened inside it, on its thread (the step cache's
-    background loads, on their own threads, do not count)."""
-
-    _installed: list[CompileGuard] = []
-
-    def __init__(self):
-        self.count = 0
-        self._thread: int | None = None  # the watching thread
-        if not CompileGuard._installed:
-            jax.monitoring.register_event_duration_secs_listener(CompileGuard._on_event)
-        CompileGuard._installed.append(self)
-
-    @staticmethod
-    def _on_event(event: str, duration: float, **kwargs) -> None:
-        if event in _COMPILE_EVENTS:
-            for g in CompileGuard._installed:
-                if g._thread == threading.get_ident():
-                    g.count += 1
-
-    @contextlib.contextmanager
-    def watch(self):
-        before, self._thread = self.count, threading.get_ident()
-        try:
-            yield
-        finally:
-            self._thread = None
-        if self.count != before:
-            raise RuntimeError(
-                f"the step compiled {self.count - before} time(s) after warmup: a shape or dtype escaped the buckets"
-            )
-
-
-def enable_persistent_compilation_cache() -> None:
-    """Keep compiled steps on disk so a second start skips XLA compilation."""
-    cache_dir = os.environ.get("JAXPAGED_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxpaged/xla"))
-    if cache_dir in ("", "0", "off"):
-        return
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def _step(graphdef, draft_graphdef, logprobs_mode, sampler_backend, spec_width: int, packer: StepPacker, state,
-          kv_pool, row_state: RowState, last_token, ints, floats, bitmask, draft_state, draft_pool):
-    """The jitted step: forward all scheduled tokens, write K/V, process logits, sample one token per sequence
-    (with speculative decoding, verify each sequence's drafts: it emits 1 to K + 1 tokens; with a draft model,
-    then propose each sequence's next K drafts, `propose_drafts`).
-
-    bitmask [S, ceil(V / 32)] int32: the tokens each sequence row may draw (structured output; all ones = free).
-    draft_state, draft_pool: the draft model's params and KV pool (None without a draft model).
-    """
-    inp = packer.unpack(ints, floats)
-    rows = inp.sampling.processors.token_slot
-    token_ids = jnp.where(inp.from_device, last_token[jnp.minimum(rows, last_token.shape[0] - 1)], inp.token_ids)
-    model = nnx.merge(graphdef, state)
-    row_state = update_row_state(row_state, inp.sampling.processors, token_ids)
-    hidden, kv_pool = model(token_ids, kv_pool, inp.attn)
-    out = sample_rows(model, hidden, inp, row_state, bitmask, logprobs_mode=logprobs_mode, backend=sampler_backend)
-    spec = None
-    if inp.draft_tokens.shape[0]:  # speculative decoding configured: verify the drafts, if any
-        k = spec_width
-        spec = jax.lax.cond(jnp.any(inp.draft_tokens >= 0), partial(verified, model, hidden, inp, k),
-                            partial(no_drafts, k), out)
-    final = out.token_ids if spec is None else jnp.take_along_axis(spec[0], spec[1][:, None] - 1, axis=1)[:, 0]
-    last_token = last_token.at[inp.draw_rows].set(final, mode="drop")
-    drafts = None
-    if draft_graphdef is not None:
-        draft_pool, drafts = propose_drafts(draft_graphdef, draft_state, draft_pool, token_ids, inp, final,
-                                            drafts_per_seq(inp, final.shape[0]),
-                                            spec[1], inp.draw_rows < last_token.shape[0], spec_width,
-                                            row_state.bias.shape[-1])
-    return (kv_pool, row_state, last_token, (out, spec, drafts), prompt_logprobs(model, hidden, inp.next_prompt_ids),
-            draft_pool)
-
-
-def drafts_per_seq(inp, s: int):
-    """[S] the draft tokens each sequence row verifies this step."""
-    rows = jnp.where(inp.draft_tokens >= 0, inp.draft_seq, s)  # padding entries scatter out of range
-    return jnp.zeros(s, jnp.int32).at[rows].add(1, mode="drop")
-
-
-def verified(model, hidden, inp, k: int, out: SamplerOutput):
-    """The tokens each sequence emits after verifying its drafts (`verify_drafts`), and the logprob information
-    of each: (emitted [S, K+1], count [S], logprob [S, K+1], rank [S, K+1], top ids and logprobs [S, K+1, M]).
-    Only the D draft entries go through the LM head (D = min(T, S * K))."""
-    s = out.token_ids.shape[0]
-    draft_logits = model.compute_logits(hidden[inp.draft_indices])  # [D, V]
-    emitted, count = verify_drafts(draft_logits, inp.draft_tokens, inp.draft_seq, inp.draft_pos, out.token_ids,
-                                   inp.sampling, k)
-    rows = jnp.where(inp.draft_tokens >= 0, inp.draft_seq, s)  # padding entries scatter out of range
-    num_drafts = drafts_per_seq(inp, s)
-
-    def logprobs(_):  # of each emitted token: under its draft position's logits, or the bonus row's
-        tokens = jnp.maximum(emitted[jnp.minimum(inp.draft_seq, s - 1), inp.draft_pos], 0)  # [D]
-        grid = lambda x: jnp.zeros((s, k + 1, *x.shape[1:]), x.dtype).at[rows, inp.draft_pos].set(  # noqa: E731
-            x, mode="drop")
-        at_bonus = jnp.arange(k + 1) == num_drafts[:, None]  # [S, K+1]
-        pick = lambda d, b: jnp.where(at_bonus.reshape(s, k + 1, *([1] * (d.ndim - 2))),  # noqa: E731
-                                      jnp.broadcast_to(b[:, None], d.shape), d)
-        return tuple(pick(grid(d), b) for d, b in zip(token_logprobs(draft_logits, tokens),
-                                                      (out.logprob, out.rank, out.top_ids, out.top_logprobs)))
-
-    lps = jax.lax.cond(jnp.any(inp.sampling.num_logprobs >= 0), logprobs, lambda _: _spread(out, k), None)
-    return (emitted, count, *lps)
-
-
-def _spread(out: SamplerOutput, k: int):
-    """The step's logprob information as that of the first of K+1 emitted tokens per sequence."""
-    def widen(x):
-        return jnp.concatenate([x[:, None], jnp.zeros((x.shape[0], k, *x.shape[1:]), x.dtype)], axis=1)
-    return widen(out.logprob), widen(out.rank), widen(out.top_ids), widen(out.top_logprobs)
-
-
-def no_drafts(k: int, out: SamplerOutput):
-    """`verified`'s results for a step without drafts: each sequence emits its drawn token."""
-    s = out.token_ids.shape[0]
-    emitted = jnp.concatenate([out.token_ids[:, None], jnp.full((s, k), -1, jnp.int32)], axis=1)
-    return (emitted, jnp.ones(s, jnp.int32), *_spread(out, k))
-
-
-def prompt_logprobs(model, hidden, next_ids):
-    """Logprob information of each fed prompt token's successor [T]; all logits only if some row asks."""
-    t = hidden.shape[0]
-    none = (jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
-    compute = lambda h, ids: token_logprobs(model.compute_logits(h), jnp.maximum(ids, 0))  # noqa: E731
-    return jax.lax.cond(jnp.any(next_ids >= 0), compute, lambda *_: none, hidden, next_ids)
-
-
-@dataclass
-class StepHandle:
-    """A dispatched step: what it was, and its results while they are still on the device."""
-
-    out: SchedulerOutput
-    plan: StepPlan
-    result: object  # SamplerOutput of device arrays (or numpy, for the stub)
-    prompt_lp: object
-    constrained: bool = False  # some row drew under a structured-output mask
-    bucket: int = 0  # the step's token bucket
-
-
-@dataclass
-class PreparedStep:
-    """A step laid out on the host, not yet dispatched (`ModelRunner.prepare`)."""
-
-    out: SchedulerOutput
-    plan: StepPlan
-    t: int  # token bucket
-    ints: np.ndarray
-    floats: np.ndarray
-    matchers: list  # (structured-output matcher, sequence row) of the rows that draw under a grammar
-
-    @property
-    def constrained(self) -> bool:
-        return bool(self.matchers)
-
-
-@dataclass
-class StepResult:
-    """A step's results, aligned with `SchedulerOutput.requests` (numpy)."""
-
-    token_ids: np.ndarray  # [n] the drawn token; -1 where the request draws none
-    num_prompt_tokens: int  # prompt tokens the step computed
-    logprobs: tuple | None  # (logprob [n], rank [n], top ids [n, K], top logprobs [n, K]) when asked
-    prompt_logprobs: list | None  # per request: [(token, logprob, rank, top ids, top logprobs)] or None
-    accepted: dict[int, list[int]] | None = None  # speculative decoding: per request index, its accepted drafts
-    # (they come before token_ids[i]; logprobs then have a position axis: [n, K+1, ...])
-    proposals: dict[int, np.ndarray] | None = None  # draft model: per request index that drew, its next K drafts
-
 
 class ModelRunner:
     """Owns the device state (params, KV pool, processor rows, last tokens) and the compiled steps.
@@ -255,6 +78,7 @@ class ModelRunner:
         self.num_rows = sc.max_num_seqs
         self.spec_width = config.num_speculative_tokens  # K: drafts a sequence may verify per step
         self.batch = InputBatch(self.num_rows, sc.max_model_len, self.geometry.table_width)
+        self.results = StepResultReader(self.batch, self._get, stub, self.spec_width)
         self._packers = {t: StepPacker(self._template(t)) for t in self.buckets}
         self.mask_width = (config.model_config.vocab_size + 31) // 32
         self._free_masks: dict[int, jax.Array] = {}  # rows -> an all-ones bitmask kept on the device
@@ -379,9 +203,9 @@ class ModelRunner:
                                    head_rows=np.asarray(s, np.int32))
 
     def _jitted(self, t: int):
-        return jax.jit(partial(_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,
+        return jax.jit(partial(device_step.device_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,
                                self.config.sampler_backend, self.spec_width, self._packers[t]),
-                       donate_argnums=DONATED)
+                       donate_argnums=device_step.DONATED)
 
     def _run(self, step, ints, floats, bitmask):
         """Call a step (compiled or jitted), keeping the device state it returns; returns (result, prompt_lp)."""
@@ -418,7 +242,7 @@ class ModelRunner:
             futures = {}
             for t in self.buckets:
                 if t not in cached:
-                    step = cache.export(str(t), self._jitted(t), args[t], DONATED) if cache is not None else None
+                    step = cache.export(str(t), self._jitted(t), args[t], device_step.DONATED) if cache is not None else None
                     futures[pool.submit((step or self._jitted(t)).lower(*args[t]).compile)] = t
             for future in tqdm(as_completed(futures), total=len(futures), desc="Compiling step buckets",
                                unit="bucket", leave=False):
@@ -449,10 +273,10 @@ class ModelRunner:
     def _load_cached(self, cache: StepCache, t: int, args):
         """Bucket t's step from the step cache, compiled (traced again, and its entry replaced, if unusable)."""
         try:
-            return cache.compile(str(t), args, DONATED)
+            return cache.compile(str(t), args, device_step.DONATED)
         except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: trace it instead
             logger.warning("the cached step for %d tokens is unusable (%s); tracing it again", t, e)
-            step = cache.export(str(t), self._jitted(t), args, DONATED)
+            step = cache.export(str(t), self._jitted(t), args, device_step.DONATED)
             return (step or self._jitted(t)).lower(*args).compile()
 
     def _ready_step(self, t: int):
@@ -612,86 +436,7 @@ class ModelRunner:
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Wait for a dispatched step and bring its results to the host, in scheduler order."""
-        plan, count = handle.plan, len(handle.plan.order)
-        if plan.num_drafts is not None:
-            return self._fetch_verified(handle)
-        drafts = None
-        if self.stub:
-            drawn = handle.result
-        else:
-            drawn, drafts = self._get((handle.result[0].token_ids, handle.result[2]))
-            drawn = np.asarray(drawn)[:count]
-        keep = plan.samples & ~self.batch.held[plan.rows]  # (a beam's owner picks its token)
-        self.batch.record_tokens(plan.rows[keep], plan.draw_positions[keep], drawn[keep], plan.generations[keep])
-        tokens = np.full(count, -1, np.int32)
-        tokens[plan.order] = np.where(plan.samples, drawn, -1)
-        res = None if self.stub else handle.result[0]
-        return self._result(handle, tokens, lambda: (res.logprob, res.rank, res.top_ids, res.top_logprobs),
-                            proposals=self._proposals(plan, drafts))
-
-    @staticmethod
-    def _proposals(plan: StepPlan, drafts) -> dict[int, np.ndarray] | None:
-        """The draft model's next drafts [K] per scheduled request index that drew a token (None without)."""
-        if drafts is None:
-            return None
-        drafts = np.asarray(drafts)
-        return {int(i): drafts[j] for j, i in enumerate(plan.order) if plan.samples[j]}
-
-    def _fetch_verified(self, handle: StepHandle) -> StepResult:
-        """`fetch` for a step that verified drafts: each request's accepted drafts, then its drawn token (the
-        residual draw at the first rejection, or the bonus token); logprob arrays get a position axis [n, K+1]."""
-        plan, out, count = handle.plan, handle.out, len(handle.plan.order)
-        if self.stub:  # every draft rejected: each request emits the step's token 7
-            emitted = np.full((count, self.spec_width + 1), -1, np.int32)
-            emitted[:, 0] = handle.result
-            counts, drafts = np.ones(count, np.int32), None
-        else:
-            emitted, counts, drafts = self._get((*handle.result[1][:2], handle.result[2]))
-            emitted, counts = np.asarray(emitted)[:count], np.asarray(counts)[:count]
-        for j, (row, draws, gen, pos, c) in enumerate(zip(plan.rows, plan.samples, plan.generations,
-                                                          plan.draw_positions, counts)):
-            if draws and not self.batch.held[row]:  # the tokens land from the first draft's position on
-                first = pos - plan.num_drafts[j]
-                self.batch.record_tokens(np.full(c, row), np.arange(first, first + c), emitted[j, :c],
-                                         np.full(c, gen))
-        tokens = np.full(count, -1, np.int32)
-        last = emitted[np.arange(count), counts - 1]
-        tokens[plan.order] = np.where(plan.samples, last, -1)
-        accepted = {int(i): emitted[j, : counts[j] - 1].tolist() for j, i in enumerate(plan.order)
-                    if i in out.spec_tokens}
-        return self._result(handle, tokens, lambda: handle.result[1][2:], accepted, self._proposals(plan, drafts))
-
-    def _result(self, handle: StepHandle, tokens: np.ndarray, logprob_arrays, accepted=None,
-                proposals=None) -> StepResult:
-        """The StepResult of a fetched step: its tokens, and (when asked) the logprob arrays `logprob_arrays()`
-        names, brought to the host in scheduler order, and the prompt logprobs per request."""
-        plan, count = handle.plan, len(handle.plan.order)
-        logprobs = None
-        if plan.wants_logprobs and not self.stub:
-            r = self._get(tuple(logprob_arrays()))
-            logprobs = tuple(np.empty_like(x[:count]) for x in r)
-            for dst, src in zip(logprobs, r):
-                dst[plan.order] = src[:count]
-        prompt_lp = None
-        if plan.wants_prompt_logprobs and not self.stub:
-            prompt_lp = self._split_prompt_logprobs(handle, self._get(handle.prompt_lp))
-        return StepResult(tokens, plan.num_prompt_tokens, logprobs, prompt_lp, accepted, proposals)
-
-    @staticmethod
-    def _split_prompt_logprobs(handle: StepHandle, prompt_lp) -> list:
-        """Per scheduled request: (next prompt token, logprob, rank, top ids, top logprobs) of each fed token."""
-        lp, rank, top_ids, top_lp = prompt_lp
-        plan, out = handle.plan, handle.out
-        per_request: list = [None] * len(out.requests)
-        t = 0
-        for j in plan.order:
-            n = out.num_new_tokens[j]
-            ids = plan.next_prompt_ids[t : t + n]
-            if (ids >= 0).any():
-                per_request[j] = [(int(ids[r]), float(lp[t + r]), int(rank[t + r]), top_ids[t + r], top_lp[t + r])
-                                  for r in range(n) if ids[r] >= 0]
-            t += n
-        return per_request
+        return self.results.fetch(handle)
 
     def prepare_idle(self, out: SchedulerOutput) -> None:
         """For a step that computes nothing: still free ended requests' rows and move blocks."""

@@ -1,7 +1,8 @@
 """Token buckets: what the runner compiles and the scheduler fills."""
 
-from jaxpaged.config import EngineArgs, SchedulerConfig
+from jaxpaged.config import SchedulerConfig
 from jaxpaged.config.buckets import pick_token_bucket, token_buckets
+from jaxpaged.engine.arg_utils import EngineArgs
 
 
 def test_powers_of_two_then_the_budget():

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.sched.output import SchedulerOutput
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 

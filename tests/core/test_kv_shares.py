@@ -8,7 +8,7 @@ import pytest
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.kv_shares import KVShares
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 

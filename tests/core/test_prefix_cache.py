@@ -3,7 +3,7 @@
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core import block_pool
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from jaxpaged.config import EngineArgs, SchedulerConfig
+from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ def test_preemption_victim_follows_the_policy(policy, victim):
 
 def test_unbounded_requests_are_predicted_a_default_output():
     """Without max_tokens (chat requests often set none) the output is estimated, so the prompt still counts."""
-    from jaxpaged.core.scheduler import UNBOUNDED_OUTPUT_ESTIMATE
+    from jaxpaged.core.sched.request_queue import UNBOUNDED_OUTPUT_ESTIMATE
 
     s = make("sjf")
     short, long = req("short", 10, None, 0.0), req("long", 900, None, 0.0)

@@ -8,8 +8,8 @@ python -m tests.distributed.multihost_worker PROCESS_ID PORT MODEL OUT [--long]
 import json
 import sys
 
-from jaxpaged.config import EngineArgs
 from jaxpaged.cli import follow_process_zero as follow
+from jaxpaged.engine.arg_utils import EngineArgs
 
 
 def main() -> None:

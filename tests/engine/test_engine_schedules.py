@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, LLMEngine, SamplingParams
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from tests.reference import hf_greedy
 from tests.tiny_models import load_hf_model
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpaged import SamplingParams
 from jaxpaged.bench.dummy_model import write_dummy_model
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.engine.llm_engine import LLMEngine
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, LLMEngine, SamplingParams
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 SHARED = np.random.default_rng(3).integers(3, 256, size=40).tolist()
 

@@ -145,7 +145,7 @@ def test_streamed_text_never_shows_part_of_a_stop_string(tiny_model_dir):
     string (one spanning two tokens here) is held back until it is known not to; with n=3, each sample has its
     own stop point."""
     from jaxpaged import LLMEngine
-    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.arg_utils import EngineArgs
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), num_kv_blocks=64,
                                                    max_num_batched_tokens=64, compile_guard=True))

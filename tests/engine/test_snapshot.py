@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
-from jaxpaged.config import EngineArgs
 from jaxpaged.engine import snapshot
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
 from jaxpaged.engine.output_processor import RequestOutputKind
 

@@ -8,7 +8,7 @@ import pytest
 from jaxpaged import SamplingParams
 from jaxpaged.bench.dummy_model import write_dummy_model
 from jaxpaged.bench.host import PHASES, measure
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.config import EngineArgs
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.runner.model_runner import ModelRunner
 from tests.reference import hf_greedy

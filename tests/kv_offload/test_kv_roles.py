@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 
 RNG = np.random.default_rng(5)
 PROMPTS = [RNG.integers(3, 256, size=n).tolist() for n in (40, 150, 7)]  # 2 blocks, chunked (> 64), < 1 block

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.sched.output import SchedulerOutput
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.kv_offload import HostTier, KVOffload
 from tests.core.test_block_invariants import actions, check_invariants, check_step, run_actions
 

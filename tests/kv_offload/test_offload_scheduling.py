@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.kv_offload import HostTier, KVOffload
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams

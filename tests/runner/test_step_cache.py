@@ -9,7 +9,7 @@ import os
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.runner import model_runner, step_cache
+from jaxpaged.runner import device_step, step_cache
 
 KW = dict(max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="2MiB", compile_guard=True)
 PROMPTS = [[1, 5, 9, 13, 2], list(range(3, 50)), [7] * 20]
@@ -31,13 +31,13 @@ def greedy(llm) -> list[list[int]]:
 def traces(monkeypatch):
     """How many times the model's step has been traced."""
     count = [0]
-    real = model_runner._step
+    real = device_step.device_step
 
     def counted(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "_step", counted)
+    monkeypatch.setattr(device_step, "device_step", counted)
     return count
 
 

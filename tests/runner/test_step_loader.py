@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.runner.model_runner import CompileGuard
+from jaxpaged.runner.compilation import CompileGuard
 from jaxpaged.runner.step_loader import StepLoader
 
 

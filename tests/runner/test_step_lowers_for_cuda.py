@@ -9,7 +9,8 @@ import pytest
 
 from jaxpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
-from jaxpaged.runner.model_runner import ModelRunner, _step
+from jaxpaged.runner.device_step import device_step as _step
+from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.spec_decode import SpeculativeConfig
 from tests.kernels.cuda_lowering import lower_for_cuda
 

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from server.app import create_app
 

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from tests.server.conftest import API_KEY, LiveServer
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.config import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from tests.server.conftest import ENGINE_ARGS, LiveServer
 from tests.tiny_models import load_hf_model

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.config import EngineArgs
-from jaxpaged.runner.kv_cache_sizing import num_kv_blocks
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.kv_cache_sizing import num_kv_blocks
 from tests.spec_decode.same_distribution import assert_same_distribution
 
 K = 3

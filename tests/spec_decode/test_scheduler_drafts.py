@@ -3,7 +3,7 @@ no preemption for drafts, n > 1 siblings forked when the first token comes from 
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@
 Each request has `num_computed_tokens` catching up to its tokens. A step gives running requests
 their tokens first (1 for decode, the rest of a chunk for a prefill), then admits waiting requests
 while budget, sequence slots and blocks last, in the policy's order (fcfs, priority, sjf: least predicted
-work first with aging, hybrid: priority classes then sjf; see `Scheduler.rank`). When blocks run out, the
+work first with aging, hybrid: priority classes then sjf; see `request_queue.policy_rank`). When blocks run out, the
 newest (fcfs) or last-ranked running request is preempted (recompute, or swap to host memory).
 
 `schedule()` counts the scheduled tokens as computed at once, and a step that reaches a request's
@@ -16,144 +16,22 @@ resolved before the next `schedule()`.
 Forks share blocks: an n > 1 request runs as its first sample until the prompt is computed, then its
 siblings fork from it (sharing every block of the prompt but the last token, which each recomputes for
 its own logits); beam search forks held requests. A shared block that a request is about to write is
-copied first (copy-on-write): the copies travel in `SchedulerOutput.block_copies`.
-
-What the runner needs travels as changes: a request's whole block table only when it (re)enters the
-batch or copy-on-write replaced a block, else just the blocks added this step.
+copied first (copy-on-write): the copies travel in `SchedulerOutput.block_copies` (`output.py`).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.core.kv_cache_manager import BlockCopy, KVCacheManager, cdiv
+from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.kv_shares import KVShares
+from jaxpaged.core.sched.output import SchedulerOutput
+from jaxpaged.core.sched.prefill_budget import prefill_budget
+from jaxpaged.core.sched.request_queue import WaitingQueue, policy_rank, predicted_work
+from jaxpaged.core.sched.stop import check_stop
 from jaxpaged.core.step_costs import StepCosts
 from jaxpaged.request import Request, RequestStatus
-from jaxpaged.config.buckets import pick_token_bucket
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + num_new_tokens), and its block-table changes."""
-
-    request: Request
-    num_new_tokens: int
-    start: int  # num_computed_tokens before this step
-    samples: bool  # the step reaches the end of the request's tokens, so it draws the next one
-    block_ids: list[int] | None = None  # the whole table, when the request (re)enters the batch or a block changed
-    new_block_ids: list[int] | tuple = ()  # else: blocks appended this step
-
-
-@dataclass
-class SchedulerOutput:
-    """What the runner executes this step, in order.
-
-    The scheduled requests are parallel lists (index i is one request's share of the step), so a step of a
-    thousand decodes costs a few list appends each; block-table changes are sparse, keyed by index.
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # num_computed_tokens before this step
-    samples: list[bool] = field(default_factory=list)  # the step reaches the end of the tokens: it draws one
-    block_ids: dict[int, list[int]] = field(default_factory=dict)  # whole tables: requests (re)entering the batch,
-    # or whose table copy-on-write changed
-    new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # blocks appended this step
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # ended since the last step (runner frees their rows)
-    fork_copies: list[BlockCopy] = field(default_factory=list)  # forks by copy since the last step: done first
-    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, done before the step writes
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), done first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), done last
-    # offload tiers (kv_offload): evicted cached blocks kept in host slots, done before anything else; prefix
-    # blocks found in a tier loaded into fresh device blocks, done after everything else
-    kv_store: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
-    kv_load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-    # speculative decoding: index in `requests` -> the draft tokens the step verifies after the request's last
-    # token (they are the last of its num_new_tokens; it draws after the last accepted one)
-    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
-
-    def add(self, req: Request, n: int, start: int, samples: bool, block_ids: list[int] | None = None,
-            new_block_ids: list[int] | None = None) -> None:
-        i = len(self.requests)
-        self.requests.append(req)
-        self.num_new_tokens.append(n)
-        self.starts.append(start)
-        self.samples.append(samples)
-        if block_ids is not None:
-            self.block_ids[i] = block_ids
-        elif new_block_ids:
-            self.new_block_ids[i] = new_block_ids
-
-    @property
-    def scheduled(self) -> list[ScheduledRequest]:
-        """The step as one record per request (for tests and tools; the hot paths read the lists)."""
-        return [ScheduledRequest(r, n, st, sa, self.block_ids.get(i), self.new_block_ids.get(i, ()))
-                for i, (r, n, st, sa) in enumerate(zip(self.requests, self.num_new_tokens, self.starts, self.samples))]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-    @property
-    def moves_blocks(self) -> bool:
-        """Whether the runner has block copies or swaps to do (even in a step that computes nothing)."""
-        return bool(self.fork_copies or self.block_copies or self.swap_out or self.swap_in or self.kv_store
-                    or self.kv_load)
-
-
-# sjf/hybrid: the output length assumed for a request without max_tokens (chat requests often set none).
-UNBOUNDED_OUTPUT_ESTIMATE = 256
-
-
-class WaitingQueue:
-    """Waiting requests in the policy's order: FCFS (a deque), or by `rank` (a heap; see `Scheduler.rank`)."""
-
-    def __init__(self, policy: str, rank):
-        self.policy = policy
-        self.rank = rank
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[object, int, Request]] = []
-        self._tiebreak = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def __iter__(self):
-        return iter(self._fifo) if self.policy == "fcfs" else (e[2] for e in sorted(self._heap))
-
-    def unordered(self):
-        """The waiting requests in no particular order (without sorting the heap)."""
-        return iter(self._fifo) if self.policy == "fcfs" else (e[2] for e in self._heap)
-
-    def add(self, req: Request, *, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            self._fifo.appendleft(req) if front else self._fifo.append(req)
-        else:
-            heapq.heappush(self._heap, (self.rank(req), next(self._tiebreak), req))
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][2]
-
-    def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
-
-    def remove(self, req: Request) -> None:
-        if self.policy == "fcfs":
-            self._fifo.remove(req)
-        else:
-            self._heap = [e for e in self._heap if e[2] is not req]
-            heapq.heapify(self._heap)
 
 
 class Scheduler:
@@ -177,26 +55,12 @@ class Scheduler:
         self.shares = KVShares(shares, self.kv.pool.num_blocks, self.kv.block_size) if shares else None
 
     def predicted_work(self, req: Request) -> int:
-        """Tokens a request still has to compute: its prompt left (all of it, and its output so far, after a
-        recompute preemption), and max_tokens less what it generated (UNBOUNDED_OUTPUT_ESTIMATE tokens when
-        max_tokens is unset, capped by max_model_len)."""
-        room = self.config.max_model_len - len(req.prompt_token_ids)
-        budget = req.sampling_params.max_tokens or min(UNBOUNDED_OUTPUT_ESTIMATE, room)
-        return (max(req.num_tokens - req.num_computed_tokens, 0) + max(budget - req.num_output_tokens, 0))
+        """Tokens a request still has to compute (`request_queue.predicted_work`)."""
+        return predicted_work(req, self.config.max_model_len)
 
     def rank(self, req: Request):
-        """Sort key of the policy, lower first (waiting order; the running request with the highest is the
-        preemption victim). sjf/hybrid: arrival time + predicted work / aging rate, a key that does not change
-        while a request waits, equivalent to lowering its work by the rate for each second waited."""
-        policy = self.config.policy
-        if policy == "priority":
-            return (req.priority, req.arrival_time)
-        if policy in ("sjf", "hybrid"):
-            key = req.arrival_time + self.predicted_work(req) / self.config.aging_rate
-            if policy == "hybrid":
-                key += req.priority * self.config.priority_class_seconds
-            return (key, req.arrival_time)
-        return (req.arrival_time,)
+        """Sort key of the policy, lower first (`request_queue.policy_rank`)."""
+        return policy_rank(req, self.config)
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -282,10 +146,8 @@ class Scheduler:
                     end = computed
             n = end - computed
             prefill = n > 1
-            if prefill and n > prefill_left:
-                n = prefill_left
-            if n > budget:
-                n = budget
+            n = min(n, prefill_left) if prefill else n
+            n = min(n, budget)
             if n <= 0:  # a held request waiting for its owner's token, one at its limit with a token in flight,
                 i += 1  # or a prompt with no prefill budget left
                 continue
@@ -435,31 +297,13 @@ class Scheduler:
         self.step_costs = costs if costs is not None and costs.can_split() else None
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens the step may carry: with requests decoding and `max_prefill_tokens_with_decodes` set,
-        that many, plus what still fits in the padded step (the token bucket the decodes and the cap need); with
-        measured step times, possibly fewer (`StepCosts.prompt_tokens`)."""
-        cap = self.config.max_prefill_tokens_with_decodes
+        """Prompt tokens the step may carry (`prefill_budget`)."""
         costs = self.step_costs if self.config.enable_chunked_prefill else None  # (unchunked: a prompt comes whole)
-        if costs is None and (not cap or not self.running):
-            return budget
-        decodes = ready = 0
-        for r in self.running:
-            n = self._num_to_compute(r)  # (0 for one whose token in flight may be its last: it is not scheduled)
-            if n == 1:
-                decodes += 1 + len(r.spec_token_ids)
-            elif n > 1:
-                ready += n
-        decodes = min(decodes, budget)
-        limit = budget
-        if cap and decodes:
-            limit = pick_token_bucket(self._buckets, min(decodes + cap, budget)) - decodes
-        if costs is None:
-            return limit
-        for r in self.waiting.unordered():  # (enough of the queue to know whether the step fills up)
-            if ready > limit:
-                break
-            ready += r.num_tokens - r.num_computed_tokens
-        return costs.prompt_tokens(decodes, ready, limit) if ready else limit
+        if costs is None and (not self.config.max_prefill_tokens_with_decodes or not self.running):
+            return budget  # (the common case, without a pass over the running requests)
+        running = [(self._num_to_compute(r), len(r.spec_token_ids)) for r in self.running]
+        return prefill_budget(budget, self.config.max_prefill_tokens_with_decodes, costs, self._buckets, running,
+                              self.waiting)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first
@@ -552,9 +396,7 @@ class Scheduler:
 
     def _last_in_policy(self, candidates: list[Request]) -> Request:
         """The newest (fcfs), else the last in the policy's order (lowest priority; most predicted work left)."""
-        if self.config.policy == "fcfs":
-            return candidates[-1]
-        return max(candidates, key=self.rank)
+        return candidates[-1] if self.config.policy == "fcfs" else max(candidates, key=self.rank)
 
     def _preempt(self, req: Request, out: SchedulerOutput, *, front: bool = True) -> None:
         """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),
@@ -614,7 +456,7 @@ class Scheduler:
                     and len(out_ids) + len(req.prompt_token_ids) < max_len):
                 results.append((i, req, token))  # (the common case: no stop rule applies)
                 continue
-            status = self._check_stop(req, token)
+            status = check_stop(req, token, self.config.max_model_len)
             if status is not None:
                 if req.status == RequestStatus.RUNNING:
                     stopped = True
@@ -641,7 +483,7 @@ class Scheduler:
         for t in (*accepted, token):
             req.output_token_ids.append(t)
             results.append((i, req, t))
-            status = self._check_stop(req, t)
+            status = check_stop(req, t, self.config.max_model_len)
             if status is not None:
                 running = req.status == RequestStatus.RUNNING
                 if not running:
@@ -649,20 +491,6 @@ class Scheduler:
                 self._finish(req, status)
                 return running
         return False
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._finished_ids.append(req.request_id)

@@ -11,6 +11,7 @@ from jaxpaged.config.engine_config import (
     ATTENTION_BACKENDS,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_FRACTION,
+    DTYPES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
     SchedulerConfig,
@@ -37,7 +38,6 @@ def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "hybrid")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

@@ -6,7 +6,13 @@ import logging
 
 import jax
 
-from jaxpaged.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig, parse_bytes, platform_is_gpu
+from jaxpaged.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    ModelConfig,
+    parse_bytes,
+    platform_is_gpu,
+)
+from jaxpaged.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
