@@ -18,7 +18,7 @@ import re
 import aiohttp
 from aiohttp import web
 
-from jaxpaged.core.block_pool import hash_block_tokens
+from jaxpaged.core.block_pool import prompt_block_hashes
 from server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -86,12 +86,9 @@ def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None 
                   ) -> list[tuple[int, tuple[int, ...]]]:
     """(hash, tokens) of the prompt's full blocks that a prefix lookup may load (never the last token's), hashed
     as the engine hashes them (the salt in the first)."""
-    out, parent = [], None
-    for i in range((len(token_ids) - 1) // block_size):
-        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = hash_block_tokens(parent, tokens, None if i else cache_salt)
-        out.append((parent, tokens))
-    return out
+    bs = block_size
+    blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range((len(token_ids) - 1) // bs)]
+    return list(zip(prompt_block_hashes(blocks, cache_salt), blocks))
 
 
 def transfer_source(body: dict, state) -> str | None:

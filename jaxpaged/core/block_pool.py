@@ -8,13 +8,23 @@ hash and stays findable until the pool hands it out again (lazy eviction, LRU or
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
     """Hash of a full block, chained from its parent's (tests replace this to force collisions)."""
     h = hashlib.blake2b(repr((parent_hash, tuple(token_ids), extra)).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(blocks: Iterable[Sequence[int]], cache_salt: str | None = None, *, parent: int | None = None,
+                        first: int = 0) -> Iterator[int]:
+    """The chained hash of each full block of a request's tokens, lazily (a prefix lookup stops at its first miss):
+    block `first` on, `parent` the hash of the block before it; the salt goes into block 0's. The one place the
+    chain is built: the prefix cache, its probes and the disaggregated transfer all hash alike."""
+    for i, tokens in enumerate(blocks, first):
+        parent = hash_block_tokens(parent, tokens, None if i else cache_salt)
+        yield parent
 
 
 class KVCacheBlock:

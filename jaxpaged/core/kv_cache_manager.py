@@ -46,11 +46,10 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Hashes of the request's full blocks within its first `num_tokens` tokens (computed once each)."""
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), num_tokens // bs):
-            hashes.append(block_pool.hash_block_tokens(hashes[-1] if hashes else None,
-                                                       request.token_ids_slice(i * bs, (i + 1) * bs),
-                                                       None if i else request.cache_salt))
+        bs, done = self.block_size, len(hashes)
+        blocks = (request.token_ids_slice(i * bs, (i + 1) * bs) for i in range(done, num_tokens // bs))
+        hashes.extend(block_pool.prompt_block_hashes(blocks, request.cache_salt, parent=hashes[-1] if done else None,
+                                                     first=done))
         return hashes[: num_tokens // bs]  # (more may be known from earlier steps: never hand out those)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
@@ -72,11 +71,10 @@ class KVCacheManager:
         (a probe: nothing is recorded; data-parallel routing asks each replica)."""
         if not self.enable_prefix_caching:
             return 0
-        bs, parent, n = self.block_size, None, 0
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = block_pool.hash_block_tokens(parent, tokens, None if i else cache_salt)
-            if self.pool.get_cached_block(parent, tokens) is None:
+        bs, n = self.block_size, 0
+        blocks = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range((len(token_ids) - 1) // bs)]
+        for h, tokens in zip(block_pool.prompt_block_hashes(blocks, cache_salt), blocks):
+            if self.pool.get_cached_block(h, tokens) is None:
                 break
             n += bs
         return n

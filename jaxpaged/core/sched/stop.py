@@ -7,7 +7,8 @@ from jaxpaged.request import Request, RequestStatus
 
 def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """The status a request ends with after appending `token` (EOS, a stop token, max_tokens, the model's
-    length; a stop token is kept as its `stop_reason`), or None: it goes on. Stop strings are the detokenizer's (`engine/output_processor.py`)."""
+    length; a stop token is kept as its `stop_reason`), or None: it goes on. Stop strings are the
+    detokenizer's (`engine/output_processor.py`)."""
     p = req.sampling_params
     if req.num_output_tokens >= p.min_tokens:
         if not p.ignore_eos and token in req.eos_token_ids:
