@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "finish after SIGTERM (default: %(default)s)")
     srv.add_argument("--tenants", default=None, metavar="FILE",
                      help="a TOML or JSON file of tenants: each one's API key, priority class, max concurrent "
-                     "requests, tokens per minute and KV-pool share (see jaxpaged/tenants.py); other keys get 401 "
+                     "requests, tokens per minute and KV-pool share (see server/tenants.py); other keys get 401 "
                      "(default: none)")
     srv.add_argument("--snapshot-dir", default=None, help="on SIGTERM, save the requests still running after the "
                      "shutdown timeout to this folder; at start, restore and finish those saved there (their outputs "

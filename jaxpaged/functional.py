@@ -25,18 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.attention import empty_kv_pool
-from jaxpaged.config import (
-    DTYPES,
-    KERNEL_BACKENDS,
-    ModelConfig,
-    kv_pool_dtype,
-    platform_is_gpu,
-    resolve_attention_backend,
-    resolve_kernel_backend,
-)
+from jaxpaged.config import DTYPES, KERNEL_BACKENDS, ModelConfig, kv_pool_dtype, platform_is_gpu
+from jaxpaged.layers.attention import empty_kv_pool
+from jaxpaged.layers.backends import resolve_attention_backend, resolve_kernel_backend
+from jaxpaged.layers.sampler import filtered_draw, first_argmax
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
-from pallas_kernels.sampling import first_argmax, reference_top_k_top_p_sampling, top_k_top_p_sampling
 
 __all__ = ["Config", "KVCache", "load", "load_tokenizer", "pad_batch", "init_cache", "prefill", "decode", "sample",
            "generate", "with_kv_scales"]
@@ -233,12 +226,9 @@ def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, to
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (b,))
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))
-    if config.sampler_backend in ("pallas", "pallas-interpret"):
-        draw = partial(top_k_top_p_sampling, interpret=config.sampler_backend == "pallas-interpret")
-    else:
-        draw = reference_top_k_top_p_sampling
     return jax.lax.cond(jnp.all(temperature <= 0), first_argmax,
-                        lambda x: draw(x, key, temperature, top_k, top_p), logits.astype(jnp.float32))
+                        lambda x: filtered_draw(x, key, temperature, top_k, top_p, config.sampler_backend),
+                        logits.astype(jnp.float32))
 
 
 def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: Int[Array, "B"], key, *,

@@ -38,7 +38,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """What -march=native depends on: the CPU model and its flags (so a shared cache serves mixed machines)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -59,7 +59,7 @@ def _build(name: str, compiler: str) -> Path:
     include = jax.ffi.include_dir()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # (shared code the sources include)
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity(),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, cpu_identity(),
                                     include, jax.__version__]).encode()).hexdigest()[:16]
     target = cache_dir() / "cpu_kernels" / f"{name}-{key}.so"
     if target.exists():

@@ -111,9 +111,9 @@ def reference_top_k_top_p_sampling(
 
 
 MAX_ROUNDS = 32  # rejection rounds before falling back to the argmax (always in the kept set)
-_SEARCH_PASSES = 40  # for the k-th largest logit (top-k and top-p both on): 4 pivots a pass, the bracket at
-_GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either side of an interpolated guess
-_LANE_BISECTIONS = 16  # steps of the bisection for the k-th largest lane max (in registers, no pass over the row)
+SEARCH_PASSES = 40  # for the k-th largest logit (top-k and top-p both on): 4 pivots a pass, the bracket at
+GUESS_WIDTH = 0.02  # least halved each; two pivots this fraction of it either side of an interpolated guess
+LANE_BISECTIONS = 16  # steps of the bisection for the k-th largest lane max (in registers, no pass over the row)
 
 
 def _row_sweep(logits_ref, row, vocab: int, tile: int, inv_t):
@@ -228,7 +228,7 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
         def kth_largest():  # a threshold keeping exactly the k largest (their ties too): 4 pivots a pass
             def cond(c):
                 *_, done, moved, it = c
-                return ~done & moved & (it < _SEARCH_PASSES)
+                return ~done & moved & (it < SEARCH_PASSES)
 
             def body(c):  # count(lo) >= k > count(hi) throughout
                 lo, hi, c_lo, c_hi, _, _, _, it = c
@@ -237,8 +237,8 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
                 # bracket at least halves however wrong the guess).
                 guess = (jnp.log(c_lo) - jnp.log(k.astype(jnp.float32))) / (
                     jnp.log(c_lo) - jnp.log(jnp.maximum(c_hi, 0.5)))
-                guess = jnp.clip(guess, 2 * _GUESS_WIDTH, 1 - 2 * _GUESS_WIDTH)
-                fractions = (guess / 2, guess - _GUESS_WIDTH, guess + _GUESS_WIDTH, (1 + guess) / 2)
+                guess = jnp.clip(guess, 2 * GUESS_WIDTH, 1 - 2 * GUESS_WIDTH)
+                fractions = (guess / 2, guess - GUESS_WIDTH, guess + GUESS_WIDTH, (1 + guess) / 2)
                 pivots = [lo + (hi - lo) * fr for fr in fractions]
 
                 def count(z, _, cs):
@@ -269,7 +269,7 @@ def _sampling_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, uniforms
                 up = jnp.sum((lane_max >= mid).astype(jnp.int32)) >= k
                 return jnp.where(up, mid, lo), jnp.where(up, hi, mid)
 
-            lane_lo, _ = jax.lax.fori_loop(0, _LANE_BISECTIONS, bisect,
+            lane_lo, _ = jax.lax.fori_loop(0, LANE_BISECTIONS, bisect,
                                            (jnp.min(jnp.where(finite_lane, lane_max, jnp.inf)), hi0))
             bound = jnp.min(jnp.where(lane_max >= lane_lo, lane_max, jnp.inf))
 

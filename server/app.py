@@ -8,12 +8,12 @@ import logging
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
-from jaxpaged.tenants import Tenant
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.kv_transfer import folder_id, serve_block
 from server.protocol import APIError, get_field, now
 from server.state import SSE, STATE, TENANT, ServerState
+from server.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
                prompt_tokens_details: bool = False) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
-    tenant's limits (jaxpaged/tenants.py); `api_key` is then also accepted, without limits. prompt_tokens_details:
+    tenant's limits (server/tenants.py); `api_key` is then also accepted, without limits. prompt_tokens_details:
     usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's --enable-prompt-tokens-details)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details)

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.tenants import Tenant, load_tenants
 from server.app import create_app
 from server.state import STATE
+from server.tenants import Tenant, load_tenants
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import os
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.tenants import Tenant, TenantLimits
 from server.protocol import APIError, get_field
+from server.tenants import Tenant, TenantLimits
 
 
 class ServerState:

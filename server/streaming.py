@@ -14,9 +14,9 @@ from aiohttp import web
 from jaxpaged.engine.async_llm import AsyncLLM, RequestStream
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.tenants import RateLimited, Tenant, TenantLimits
 from server.protocol import APIError
 from server.state import SSE
+from server.tenants import RateLimited, Tenant, TenantLimits
 
 
 @contextlib.asynccontextmanager

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.attention import empty_kv_pool
+from jaxpaged.layers.attention import empty_kv_pool
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward
 
 

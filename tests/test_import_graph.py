@@ -7,6 +7,7 @@ new upward import fails here before it can become an import circle at run time."
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ PACKAGES = ("jaxpaged", "pallas_kernels", "server")
 TOP = {"jaxpaged.cli", "jaxpaged.__main__"}  # the command line: the one place above the server
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     out = {}
     for pkg in PACKAGES:
@@ -25,6 +27,7 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the modules of ours it imports at run time."""
     mods = modules()
@@ -126,6 +129,9 @@ def test_the_rooms_import_only_downward():
     ("pallas_kernels", {"jaxpaged", "server"}),  # the kernels stand alone, beside their references
     ("jaxpaged.config", {"jaxpaged", "server"}),  # the ground floor: config imports only config (and kernels'
     # availability checks)
+    ("jaxpaged.layers", {"jaxpaged.core", "jaxpaged.kv_offload", "jaxpaged.structured", "jaxpaged.spec_decode",
+                         "jaxpaged.distributed", "jaxpaged.models", "jaxpaged.runner", "jaxpaged.engine", "server"}),
+    # the device layers: arrays in, arrays out, over the kernels
     ("jaxpaged.distributed", {"jaxpaged.engine", "jaxpaged.runner", "jaxpaged.models", "server"}),
     ("jaxpaged.core", {"jaxpaged.engine", "jaxpaged.runner", "jaxpaged.models", "server"}),  # the scheduler
     # knows blocks and requests, not devices
@@ -148,6 +154,35 @@ def test_the_runner_reads_the_schedulers_output_contract_not_the_scheduler():
     graph = import_graph()
     assert sorted((m, t) for m, ts in graph.items() if room(m) == "jaxpaged.runner" for t in ts
                   if t.startswith("jaxpaged.core") and t != "jaxpaged.core.sched.output") == []
+
+
+def test_only_the_device_layers_reach_the_kernels():
+    """(And the benchmarks, which time the kernels themselves.)"""
+    graph = import_graph()
+    assert sorted((m, t) for m, ts in graph.items() if m.startswith("jaxpaged") for t in ts
+                  if t.startswith("pallas_kernels") and room(m) not in ("jaxpaged.layers", "jaxpaged.bench")) == []
+
+
+def private_imports() -> list[tuple[str, str]]:
+    """(module, name) for each `from x import _name` whose x is in another room than the importer."""
+    found = []
+    for m, f in modules().items():
+        package = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found += [(m, f"{base}.{a.name}") for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and room(base) != room(m)]
+    return found
+
+
+def test_no_private_names_cross_rooms():
+    """A name with a leading underscore is its room's own: other rooms import what it makes public."""
+    assert private_imports() == []
 
 
 def test_the_checks_see_a_circle():

@@ -1,4 +1,4 @@
-"""The two expert paths of `models.layers.moe_mlp` timed against each other on this machine: the grouped matmul
+"""The two expert paths of `layers.dense.moe_mlp` timed against each other on this machine: the grouped matmul
 (`lax.ragged_dot`, the default off CPUs) and every expert batched (the CPU default). Prints a table and writes
 JSON: `python -m jaxpaged.bench.moe_paths [--output moe_paths.json]`."""
 
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxpaged.bench.report import write_json
-from jaxpaged.models.layers import moe_mlp
+from jaxpaged.layers.dense import moe_mlp
 
 # (tokens, hidden, experts, expert ffn, top-k): decode-sized to prefill-sized steps, Mixtral-like and many-expert
 SHAPES = [(8, 576, 8, 1536, 2), (64, 576, 8, 1536, 2), (256, 576, 8, 1536, 2), (8, 512, 32, 256, 4),

@@ -11,7 +11,7 @@ import argparse
 import numpy as np
 
 from jaxpaged.bench.report import write_json
-from pallas_kernels.sampling import _GUESS_WIDTH, _LANE_BISECTIONS, _SEARCH_PASSES
+from pallas_kernels.sampling import GUESS_WIDTH, LANE_BISECTIONS, SEARCH_PASSES
 
 ROWS = {  # name -> one row of scaled logits (temperature applied)
     "normal x 3 / 0.8": lambda rng, v: rng.normal(size=v).astype(np.float32) * 3 / 0.8,
@@ -31,10 +31,10 @@ def search_passes(z: np.ndarray, k: int, lo: float, c_lo: int, passes: int = 0) 
     """The kernel's `kth_largest` loop from bracket [lo, above the max) with count(z >= lo) = c_lo: its passes."""
     zmax = float(z.max())
     hi, c_hi, found, moved = zmax + max(1.0, abs(zmax) * 1e-3), 0, c_lo == k, True
-    while not found and moved and passes < _SEARCH_PASSES:
+    while not found and moved and passes < SEARCH_PASSES:
         guess = (np.log(c_lo) - np.log(k)) / (np.log(c_lo) - np.log(max(c_hi, 0.5)))
-        guess = float(np.clip(guess, 2 * _GUESS_WIDTH, 1 - 2 * _GUESS_WIDTH))
-        pivots = [np.float32(lo + (hi - lo) * f) for f in (guess / 2, guess - _GUESS_WIDTH, guess + _GUESS_WIDTH,
+        guess = float(np.clip(guess, 2 * GUESS_WIDTH, 1 - 2 * GUESS_WIDTH))
+        pivots = [np.float32(lo + (hi - lo) * f) for f in (guess / 2, guess - GUESS_WIDTH, guess + GUESS_WIDTH,
                                                           (1 + guess) / 2)]
         counts = [int((z >= t).sum()) for t in pivots]
         passes += 1
@@ -55,7 +55,7 @@ def lane_bound(z: np.ndarray, k: int, tile: int) -> float:
     lane_max = np.concatenate([z, np.full((-len(z)) % tile, -np.inf, np.float32)]).reshape(-1, tile).max(0)
     zmax = float(z.max())
     lo, hi = float(lane_max[np.isfinite(lane_max)].min()), zmax + max(1.0, abs(zmax) * 1e-3)
-    for _ in range(_LANE_BISECTIONS):
+    for _ in range(LANE_BISECTIONS):
         mid = np.float32((lo + hi) / 2)
         lo, hi = (mid, hi) if (lane_max >= mid).sum() >= k else (lo, mid)
     return float(lane_max[lane_max >= lo].min())

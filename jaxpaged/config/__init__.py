@@ -22,9 +22,7 @@ from jaxpaged.config.engine_config import (
     kv_pool_dtype,
     parse_bytes,
     platform_is_gpu,
-    resolve_attention_backend,
-    resolve_kernel_backend,
 )
 from jaxpaged.config.speculative import SpeculativeConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CPU_KV_CACHE_BYTES", "DEFAULT_GPU_MEMORY_FRACTION", "DTYPES", "KERNEL_BACKENDS", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig", "fine_token_buckets_for", "kv_pool_dtype", "parse_bytes", "pick_token_bucket", "platform_is_gpu", "resolve_attention_backend", "resolve_kernel_backend", "seq_bucket", "token_buckets"]
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CPU_KV_CACHE_BYTES", "DEFAULT_GPU_MEMORY_FRACTION", "DTYPES", "KERNEL_BACKENDS", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig", "fine_token_buckets_for", "kv_pool_dtype", "parse_bytes", "pick_token_bucket", "platform_is_gpu", "seq_bucket", "token_buckets"]

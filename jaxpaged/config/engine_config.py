@@ -238,30 +238,3 @@ def platform_is_gpu() -> bool:
 
 KERNEL_BACKENDS = ("auto", "pallas", "reference")  # the sampler's
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")
-
-
-def resolve_kernel_backend(name: str) -> str:
-    """auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; pallas off GPU runs the interpreter."""
-    if name == "auto":
-        name = "pallas" if platform_is_gpu() else "reference"
-    if name == "pallas" and not platform_is_gpu():
-        return "pallas-interpret"
-    return name
-
-
-def resolve_attention_backend(name: str) -> str:
-    """auto: the Pallas kernel on GPU; on CPU the C++ kernels (`pallas_kernels.cpu_attention`, and
-    `pallas_kernels.cpu_rope` for the rotary tables) where this machine can build them, else the plain-JAX path.
-    "cpu" asks for the C++ kernels and fails if they cannot be had. (Resolving registers them with XLA, which a
-    step loaded from the step cache needs before it compiles.)"""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    from pallas_kernels import cpu_attention, cpu_rope
-
-    if (name in ("auto", "cpu") and jax.default_backend() == "cpu" and cpu_attention.available()
-            and cpu_rope.available()):
-        return "cpu"
-    if name == "cpu":
-        raise ValueError("attention_backend='cpu' needs JAX on CPU and a C++ compiler to build the CPU kernels "
-                         "(attention and rotary tables; see the log); use 'auto' or 'reference'")
-    return resolve_kernel_backend(name)

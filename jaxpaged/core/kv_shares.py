@@ -1,4 +1,4 @@
-"""Tenants' shares of the KV pool (jaxpaged/tenants.py): a guaranteed minimum and a hard maximum, in blocks.
+"""Tenants' shares of the KV pool (server/tenants.py): a guaranteed minimum and a hard maximum, in blocks.
 
 A tenant's usage is the blocks its running requests hold (a block shared by several requests counts for each).
 The scheduler enforces the shares:

@@ -18,16 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.attention import empty_kv_pool_soon
-from jaxpaged.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    platform_is_gpu,
-    resolve_attention_backend,
-    resolve_kernel_backend,
-)
+from jaxpaged.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, platform_is_gpu
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.distributed import multihost
 from jaxpaged.distributed.tensor_parallel import check_tensor_parallel, replica_meshes
@@ -40,6 +31,8 @@ from jaxpaged.engine.kv_cache_sizing import (
     offload_settings,
 )
 from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
+from jaxpaged.layers.attention import empty_kv_pool_soon
+from jaxpaged.layers.backends import resolve_attention_backend, resolve_kernel_backend
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
 from jaxpaged.models.registry import (

@@ -40,7 +40,7 @@ def calibration_tokens(tokenizer) -> list[int]:
 def kv_amax(cfg: ModelConfig, params: dict, token_ids: list[int], block_size: int = 16, mesh=None) -> np.ndarray:
     """The largest |K| and |V| of each layer and KV head over `token_ids` run as one prompt: [L, 2, KH] (mesh:
     the params' tensor-parallel mesh)."""
-    from jaxpaged.attention import empty_kv_pool
+    from jaxpaged.layers.attention import empty_kv_pool
     from jaxpaged.models.llama import AttentionMetadata, forward
 
     n = len(token_ids)

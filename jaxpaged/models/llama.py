@@ -21,12 +21,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.attention import paged_attention, write_kv
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
 from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
-from jaxpaged.models.layers import apply_rope, dense, gated_mlp, model_rope_angles, moe_mlp, rms_norm
-from pallas_kernels import cpu_dense
+from jaxpaged.layers.attention import paged_attention, write_kv
+from jaxpaged.layers.dense import cpu_panels, dense, gated_mlp, moe_mlp, rms_norm
+from jaxpaged.layers.rope import apply_rope, model_rope_angles
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
 LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
@@ -75,7 +75,7 @@ class AttentionMetadata:
     seq_context_lens: Int[Array, "S"]  # tokens of each sequence already in the pool before this step
     continuation_rows: Int[Array, "S"]  # rows with >1 new token and cached context, then -1
     block_tables: Int[Array, "S B"]  # physical block ids per sequence; padding: 0 (the null block)
-    # tokens before the padding: the CPU dense call multiplies only those rows (`cpu_dense.packed_dense`), so a
+    # tokens before the padding: the CPU dense call multiplies only those rows (`layers.dense.dense`), so a
     # step costs its tokens rather than its bucket. None: all T.
     num_real_tokens: Int[Array, ""] | None = None
     # static: the most new tokens any one sequence has in the step, when the caller knows it (functional
@@ -202,7 +202,7 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
     rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all).
     scale: the logits times it (`ModelConfig.logits_scale`). softcap: then squashed to softcap * tanh(x / softcap)."""
     if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
-        logits = cpu_dense.packed_dense(hidden, params["lm_head"], rows)
+        logits = dense(hidden, params["lm_head"], rows)
     elif "lm_head" in params:
         logits = jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
                                      (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -270,7 +270,7 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     [L, ...] arrays; True: a list of L dicts; None: `default_per_layer()` (per layer on CPU, stacked elsewhere;
     see the module docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
     (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: float32 per-layer weights
-    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`cpu_dense.pack`, [N / panel,
+    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`layers.dense.cpu_panels`, [N / panel,
     K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them every step.
     """
     per_layer = resolve_per_layer(cfg, per_layer)
@@ -297,9 +297,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
 
     def put_layer(name: str, x):  # (packed for the CPU dense call where it can be, else as `put`)
         if packed and name in PACKED_WEIGHTS:
-            x32 = np.asarray(x).astype(np.float32, copy=False)
-            if cpu_dense.can_pack(x32):
-                return jnp.asarray(cpu_dense.pack(x32))
+            if (panels := cpu_panels(np.asarray(x).astype(np.float32, copy=False))) is not None:
+                return panels
         return put(name, x)
 
     params: dict = {name: (put_layer if name == "lm_head" else put)(name, weights[name]) for name in expected

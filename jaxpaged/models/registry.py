@@ -14,9 +14,10 @@ import numpy as np
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import mesh_size, replicate_kv_heads
+from jaxpaged.layers.dense import HF_ACTIVATIONS
+from jaxpaged.layers.rope import ROPE_TYPES
 from jaxpaged.models.converted import is_converted, load_converted
 from jaxpaged.models.gguf_import import gguf_hf_folder
-from jaxpaged.models.layers import HF_ACTIVATIONS, ROPE_TYPES
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
 

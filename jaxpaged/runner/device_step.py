@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.logits_processors import RowState, update_row_state
-from jaxpaged.runner.sample_rows import sample_rows
+from jaxpaged.layers.logits_processors import RowState, update_row_state
+from jaxpaged.layers.sample_rows import sample_rows
+from jaxpaged.layers.sampler import token_logprobs
 from jaxpaged.runner.step_input import StepPacker
-from jaxpaged.sampler import token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.spec_decode.draft_model import propose_drafts
 from jaxpaged.spec_decode.verify import drafts_per_seq, no_drafts, verified

@@ -24,14 +24,15 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
 from jaxpaged.config import EngineConfig
 from jaxpaged.config.buckets import pick_token_bucket, seq_bucket
 from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.distributed.multihost import place, to_host
 from jaxpaged.distributed.tensor_parallel import pool_sharding, replicated
 from jaxpaged.kv_offload import KVOffload
-from jaxpaged.logits_processors import RowState, write_rows
+from jaxpaged.layers.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
+from jaxpaged.layers.backends import CPU_CUSTOM_CALL_TARGETS
+from jaxpaged.layers.logits_processors import RowState, write_rows
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.runner import device_step, step_channel
 from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
@@ -50,9 +51,6 @@ from jaxpaged.runner.step_loader import StepLoader
 from jaxpaged.runner.step_records import PreparedStep, StepHandle, StepResult
 from jaxpaged.runner.step_results import StepResultReader
 from jaxpaged.structured.manager import StructuredOutputManager
-from pallas_kernels.cpu_attention import TARGET as CPU_ATTENTION_TARGET
-from pallas_kernels.cpu_dense import TARGET as CPU_DENSE_TARGET
-from pallas_kernels.cpu_rope import TARGET as CPU_ROPE_TARGET
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +296,7 @@ class ModelRunner:
             return None
         shared = (self.state, self._pool_spec, self.row_state, self.last_token, self.draft_state, self.draft_pool)
         cpu = self.config.attention_backend == "cpu"
-        calls = (CPU_ATTENTION_TARGET, CPU_ROPE_TARGET, CPU_DENSE_TARGET) if cpu else ()
+        calls = CPU_CUSTOM_CALL_TARGETS if cpu else ()
         if "pallas" in (self.config.attention_backend, self.config.sampler_backend):
             calls += ("__gpu$xla.gpu.triton",)  # (Pallas' Triton kernels on GPU)
         config = dataclasses.replace(self.config, cache_config=dataclasses.replace(  # (roles share their steps)

@@ -75,19 +75,19 @@ def _environment() -> str:
     import jaxlib
     import ml_dtypes
 
-    from pallas_kernels.cpu_build import _cpu_identity
+    from jaxpaged.layers.backends import kernel_build_identity
 
     flags = {name: str(getattr(jax.config, name, None)) for name in _FLAGS}
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     versions = (jax.__version__, jaxlib.__version__, flax.__version__, ml_dtypes.__version__)
-    return repr((versions, jax.default_backend(), devices, _cpu_identity(), flags))
+    return repr((versions, jax.default_backend(), devices, kernel_build_identity(), flags))
 
 
 def _trace_environment() -> str:
     """The environment variables a trace reads, as they are now: XLA_FLAGS and the Pallas attention's variant."""
-    from pallas_kernels.paged_attention import VARIANT_ENV
+    from jaxpaged.layers.backends import ATTENTION_VARIANT_ENV
 
-    return repr([os.environ.get(name, "") for name in ("XLA_FLAGS", VARIANT_ENV)])
+    return repr([os.environ.get(name, "") for name in ("XLA_FLAGS", ATTENTION_VARIANT_ENV)])
 
 
 def _describe(args) -> str:

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from jaxpaged.logits_processors import ProcessorInputs
+from jaxpaged.layers.logits_processors import ProcessorInputs
+from jaxpaged.layers.sampler import SamplingMetadata
 from jaxpaged.models.llama import AttentionMetadata
 from jaxpaged.runner.input_batch import InputBatch
-from jaxpaged.sampler import SamplingMetadata
 
 
 @jax.tree_util.register_dataclass

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.logits_processors import apply_min_p
-from jaxpaged.sampler import SamplingMetadata
-from pallas_kernels.sampling import categorical_from_uniform, first_argmax, top_k_top_p_mask
+from jaxpaged.layers.logits_processors import apply_min_p
+from jaxpaged.layers.sampler import SamplingMetadata, categorical_from_uniform, first_argmax, top_k_top_p_mask
 
 _ACCEPT, _RESIDUAL = 1, 2  # fold_in tags: the acceptance uniform and the residual draw of one position
 

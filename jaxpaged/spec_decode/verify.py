@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.sampler import SamplerOutput, token_logprobs
+from jaxpaged.layers.sampler import SamplerOutput, token_logprobs
 from jaxpaged.spec_decode.rejection import verify_drafts
 
 

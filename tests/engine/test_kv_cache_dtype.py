@@ -61,7 +61,7 @@ def test_swapped_narrow_blocks_come_back_exactly(tiny_model_dir):
 def test_narrow_writes_round_and_saturate(dtype, big):
     """Stored as integers of their width, read back as the rounded value; past the range: the largest finite
     value (fp8 e4m3 has no infinity), never NaN."""
-    from jaxpaged.attention import empty_kv_pool, write_kv
+    from jaxpaged.layers.attention import empty_kv_pool, write_kv
 
     pool = empty_kv_pool(1, 2, 16, 1, 4, dtype)
     assert pool.dtype.kind in "ui" and pool.dtype.itemsize == jnp.dtype(dtype).itemsize

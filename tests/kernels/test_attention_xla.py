@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import write_kv
-from jaxpaged.attention_xla import split_ragged_paged_attention
+from jaxpaged.layers.attention import write_kv
+from jaxpaged.layers.attention_xla import split_ragged_paged_attention
 from pallas_kernels.paged_attention import reference_ragged_paged_attention
 from tests.kernels.attention_inputs import make_step
 

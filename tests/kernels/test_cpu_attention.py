@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import write_kv
-from jaxpaged.config import resolve_attention_backend
+from jaxpaged.layers.attention import write_kv
+from jaxpaged.layers.backends import resolve_attention_backend
 from pallas_kernels import cpu_attention, cpu_build
 from pallas_kernels.kv_storage import encode, storage_dtype
 from pallas_kernels.paged_attention import reference_ragged_paged_attention

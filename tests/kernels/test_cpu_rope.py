@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.models.layers import apply_rope, rope_angles, rope_inv_freq
+from jaxpaged.layers.rope import apply_rope, rope_angles, rope_inv_freq
 from pallas_kernels import cpu_build, cpu_rope
 
 

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from jaxpaged.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits, update_row_state
+from jaxpaged.layers.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits, update_row_state
 
 S, V, R = 3, 40, 4
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.attention import write_kv
+from jaxpaged.layers.attention import write_kv
 from pallas_kernels.paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 from tests.kernels.attention_inputs import make_step
 from tests.kernels.cuda_lowering import lower_for_cuda

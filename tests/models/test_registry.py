@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import transformers
 
+from jaxpaged.layers.rope import rope_inv_freq
 from jaxpaged.models import registry
-from jaxpaged.models.layers import rope_inv_freq
 
 
 def test_unknown_architecture_is_named():
@@ -118,7 +118,7 @@ def test_longrope_uses_its_long_factors_from_the_original_length():
     factors, later ones by the long factors (vLLM's choice), both times sqrt(1 + ln(factor) / ln(original))."""
     import jax.numpy as jnp
 
-    from jaxpaged.models.layers import model_rope_angles
+    from jaxpaged.layers.rope import model_rope_angles
 
     cfg = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024,
                                   original_max_position_embeddings=256, pad_token_id=0,
@@ -157,7 +157,7 @@ def test_both_expert_paths_equal_a_numpy_mixture(normalize):
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged.models.layers import moe_mlp
+    from jaxpaged.layers.dense import moe_mlp
 
     rng = np.random.default_rng(0)
     t, e, x_n, f, k = 9, 16, 5, 12, 2

@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from jaxpaged.tenants import parse_tenants
+from server.tenants import parse_tenants
 from tests.server.conftest import API_KEY, serving
 
 TENANTS = parse_tenants({"tenants": {

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpaged.logits_processors import ProcessorInputs
-from jaxpaged.sampler import SamplingMetadata
+from jaxpaged.layers.logits_processors import ProcessorInputs
+from jaxpaged.layers.sampler import SamplingMetadata
 from jaxpaged.spec_decode import rejection
 from jaxpaged.spec_decode.rejection import target_logits
 

@@ -6,7 +6,7 @@ import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from jaxpaged import SamplingParams, StructuredOutputsParams
-from jaxpaged.structured.bitmask import apply_token_bitmask
+from jaxpaged.layers.token_bitmask import apply_token_bitmask
 from jaxpaged.structured.grammar import compile_grammar
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxpaged.attention_xla import split_ragged_paged_attention
+from jaxpaged.layers.attention_xla import split_ragged_paged_attention
 from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from pallas_kernels.kv_storage import encode, storage_dtype
 from pallas_kernels.paged_attention import ragged_paged_attention

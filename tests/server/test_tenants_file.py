@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxpaged.tenants import RateLimited, Tenant, TenantLimits, TokenBucket, load_tenants, parse_tenants
+from server.tenants import RateLimited, Tenant, TenantLimits, TokenBucket, load_tenants, parse_tenants
 
 TOML = """
 [tenants.alice]

@@ -3,8 +3,8 @@
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.runner import sample_rows
-from jaxpaged.runner.sample_rows import head_rows
+from jaxpaged.layers import sample_rows
+from jaxpaged.layers.sample_rows import head_rows
 
 
 def test_head_rows():

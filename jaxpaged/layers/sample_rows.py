@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.logits_processors import RowState
-from jaxpaged.sampler import SamplerOutput, sample
-from jaxpaged.structured.bitmask import apply_token_bitmask
+from jaxpaged.layers.logits_processors import RowState
+from jaxpaged.layers.sampler import SamplerOutput, sample
+from jaxpaged.layers.token_bitmask import apply_token_bitmask
 
 # fewer rows: one branch. The second branch compiles the sampler again (+28% compile time for a small test
 # engine when its 32- and 48-row steps split too); from 64 rows on, the steps that carry served prompts split.

@@ -9,9 +9,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt32
 
-from jaxpaged.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
+from jaxpaged.layers.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from pallas_kernels.sampling import first_argmax, reference_top_k_top_p_sampling, top_k_top_p_sampling
+from pallas_kernels.sampling import (
+    categorical_from_uniform,
+    first_argmax,
+    reference_top_k_top_p_sampling,
+    top_k_top_p_mask,
+    top_k_top_p_sampling,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -57,10 +63,16 @@ def _draw(x: Float[Array, "S V"], meta: SamplingMetadata, backend: str) -> Int[A
                           meta.processors.min_p)
     keys = request_keys(meta.seeds, meta.steps)
     temperature = jnp.where(greedy, 0.0, 1.0)  # already applied
+    return filtered_draw(scaled, keys, temperature, meta.top_k, meta.top_p, backend)
+
+
+def filtered_draw(x: Float[Array, "S V"], keys, temperature: Float[Array, "S"], top_k: Int[Array, "S"],
+                  top_p: Float[Array, "S"], backend: str) -> Int[Array, "S"]:
+    """A token per row drawn after top-k and top-p filtering (greedy where temperature is 0): the sort-free
+    Pallas kernel ("pallas", "pallas-interpret") or the sorting reference."""
     if backend in ("pallas", "pallas-interpret"):
-        return top_k_top_p_sampling(scaled, keys, temperature, meta.top_k, meta.top_p,
-                                    interpret=backend == "pallas-interpret")
-    return reference_top_k_top_p_sampling(scaled, keys, temperature, meta.top_k, meta.top_p)
+        return top_k_top_p_sampling(x, keys, temperature, top_k, top_p, interpret=backend == "pallas-interpret")
+    return reference_top_k_top_p_sampling(x, keys, temperature, top_k, top_p)
 
 
 def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
@@ -89,3 +101,8 @@ def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetad
     lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(meta.num_logprobs >= 0), token_logprobs,
                                              lambda *_: none, source, tokens)
     return SamplerOutput(tokens, lp, rank, top_ids, top_lp)
+
+
+# (with the kernels' pieces that speculative verification and the functional API also use)
+__all__ = ["SamplerOutput", "SamplingMetadata", "categorical_from_uniform", "filtered_draw", "first_argmax",
+           "request_keys", "sample", "token_logprobs", "top_k_top_p_mask"]
