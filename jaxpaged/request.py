@@ -58,7 +58,6 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    last_token_time: float | None = None
     # Dense rows for the logits processors (bias, min_tokens mask), built at admission when needed.
     processor_rows: tuple | None = None
     # Structured output: this sample's llguidance matcher (it takes each drawn token), or None.
@@ -67,6 +66,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     # Prompt logprob rows (token, logprob, rank, top ids, top logprobs) for prompt positions 1.. so far.
     prompt_logprob_rows: list = field(default_factory=list)
+    prompt_logprobs_handed: bool = False  # (core) the complete rows went out in an `EngineCoreOutput`
     # Held requests (beam search): a step computes their tokens and logprobs but appends no token; the
     # owner appends the next token itself.
     hold_output: bool = False

@@ -23,10 +23,9 @@ from dataclasses import replace
 
 from jaxpaged.distributed.multihost import KEEPALIVE_SECONDS
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.data_parallel import DataParallelCore
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind
-from jaxpaged.request import RequestOutput, RequestStatus
+from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -267,27 +266,19 @@ class AsyncLLM:
 
     # -- engine thread ------------------------------------------------------------------
     def _drain_inbox(self) -> None:
-        scheduler = self.engine.scheduler
+        engine = self.engine
+        handlers = {"add": engine.add_core_requests, "restore": engine.restore_core_requests,
+                    "abort": engine.abort_core_requests, "finish": engine.finish_core_requests}
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self.engine.add_core_requests(payload)
-            elif kind == "restore":  # (a snapshot's: their forks as they were)
-                scheduler.add_requests(payload)
-            elif kind == "abort":
-                for cid in payload:  # a sibling that never forked is in no queue: it just ends
-                    if (req := scheduler.requests.get(cid)) is not None:
-                        req.pending_forks = []
-                scheduler.abort_requests(payload)
-            else:  # "finish": stop strings the output thread found
-                scheduler.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+            handlers[kind](payload)
 
     def _engine_loop(self) -> None:
         core = self.engine.core
-        channel = core.runner.channel if not isinstance(core, DataParallelCore) else None  # (several processes)
+        channel = core.step_channel  # (several processes)
         try:
             while not self._stopped:
                 self._drain_inbox()
@@ -300,7 +291,7 @@ class AsyncLLM:
                 if self._wait_to_schedule(core):
                     continue
                 outputs = core.step()
-                self._outbox.put((outputs, core.last_stats))
+                self._outbox.put((outputs, core.last_stats, core.gauges()))
         except BaseException as e:  # surface to every waiting stream instead of hanging them
             logger.exception("engine loop failed")
             self._fail(e)
@@ -322,10 +313,10 @@ class AsyncLLM:
     # -- output thread ------------------------------------------------------------------
     def _output_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            outputs, stats = item
+            outputs, stats, gauges = item
             try:
                 with self._lock:
-                    self.engine.record_step(stats)
+                    self.engine.record_step(stats, gauges)
                     results, stopped = self.engine.output.process(outputs)
                     streams = [(r, self._streams.get(r.request_id)) for r in results]
                     for r in results:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.core.sched.scheduler import Scheduler
+from jaxpaged.engine.core_output import EngineCoreOutput, EngineGauges, StepStats
 from jaxpaged.engine.step_clock import StepClock
 from jaxpaged.kv_offload import KVOffload
 from jaxpaged.request import Request, RequestStatus
@@ -29,30 +29,8 @@ from jaxpaged.spec_decode.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 
-# What one step gave one request: (request, token, whether the request ended with it). Plain tuples: a step
-# makes one per running request. A held request's token is its draw (its owner appends it or not).
-CoreOutput = tuple[Request, int, bool]
-
-
-@dataclass
-class StepStats:
-    """Counters of one step, for metrics and logs."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    first_scheduled: tuple[Request, ...] = ()
-    # speculative decoding: sequences that verified drafts, their draft tokens, the accepted ones, and the
-    # accepted count at each draft position
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
-    tenant_kv_blocks: dict | None = None  # (tenants' KV shares) blocks each tenant's running requests hold
-
-
 class EngineCore:
-    """Schedules and runs steps; `step()` returns per-request token outputs (`CoreOutput`)."""
+    """Schedules and runs steps; `step()` returns per-token records (`EngineCoreOutput`)."""
 
     def __init__(self, config: EngineConfig, model, *, stub: bool = False, structured=None, draft_model=None,
                  kv_pool=None):
@@ -129,41 +107,71 @@ class EngineCore:
         None: now."""
         return self.clock.deadline() if self.clock is not None else None
 
-    def step(self) -> list[CoreOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         """One step: schedule and dispatch; then the results of this step (sync) or of the one before (async).
 
         A structured-output mask needs the request's last token: when both the step in flight and the next one
         draw under a grammar, the next step is scheduled and laid out while the device runs, then the step in
         flight's results feed the matchers, and only the masks and the dispatch wait for them."""
-        stats = StepStats()
-        outputs: list[CoreOutput] = []
-        scheduling_started = time.perf_counter()
+        stats, started = StepStats(), time.perf_counter()
+        out = self._schedule(stats)  # what runs
+        prepared = self.runner.prepare(out)  # laid out on the host
+        outputs = self._results_the_masks_need(prepared, stats)  # grammar masks: the step in flight's tokens
+        handle = self._dispatch(prepared, started)  # on the device
+        outputs += self._results_of_the_step_done(handle, stats)  # tokens in, the scheduler updated
+        self._end_step(stats)
+        return outputs
+
+    def _schedule(self, stats: StepStats) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        prepared = self.runner.prepare(out)
+        stats.num_preemptions = len(out.preempted_ids)
+        now = time.monotonic()
+        for i in out.block_ids:
+            if (req := out.requests[i]).first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return out
+
+    def _results_the_masks_need(self, prepared, stats: StepStats) -> list[EngineCoreOutput]:
+        """(Async) the step in flight's results now, if it and the next step both draw under a grammar."""
         if (self.async_scheduling and self._in_flight is not None and self._in_flight.constrained
                 and prepared is not None and prepared.constrained):
-            outputs = self._take_results(self._in_flight, stats)
-            self._in_flight = None
+            done, self._in_flight = self._in_flight, None
+            return self._take_results(done, stats)
+        return []
+
+    def _dispatch(self, prepared, scheduling_started: float) -> StepHandle | None:
         self._dispatched_at = time.perf_counter()
         handle = None if prepared is None else self.runner.dispatch(prepared)
         if handle is not None and self.clock is not None:
             self.clock.dispatched(handle.bucket, scheduling_started, time.perf_counter(),
                                   handle.out.total_num_scheduled_tokens)
-        stats.num_preemptions = len(out.preempted_ids)
-        stats.first_scheduled = tuple(r for i in out.block_ids if (r := out.requests[i]).first_scheduled_time is None)
-        now = time.monotonic()
-        for req in stats.first_scheduled:
-            req.first_scheduled_time = now
+        return handle
+
+    def _results_of_the_step_done(self, handle: StepHandle | None, stats: StepStats) -> list[EngineCoreOutput]:
+        """Sync: the results of the step just dispatched; async: of the one before it (now `handle` is in flight)."""
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, handle
         else:
             done = handle
-        if done is not None:
-            outputs = self._take_results(done, stats)
+        return self._take_results(done, stats) if done is not None else []
+
+    def _end_step(self, stats: StepStats) -> None:
         if (shares := self.scheduler.shares) is not None:  # (here: the engine thread owns the running list)
             stats.tenant_kv_blocks = shares.usage(self.scheduler.running, self.kv_cache_manager.req_to_blocks)
         self.last_stats = stats
-        return outputs
+
+    def gauges(self) -> EngineGauges:
+        """The scheduler's and the KV pool's state now (call on the engine thread)."""
+        kv, sched = self.kv_cache_manager, self.scheduler
+        return EngineGauges(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                            kv_blocks_used=kv.pool.num_blocks - 1 - kv.num_free_blocks, kv_usage=kv.usage(),
+                            prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens,
+                            offload=self.offload.stats() if self.offload is not None else None)
+
+    @property
+    def step_channel(self):
+        """The multi-process step channel (`runner/step_channel.py`), or None in one process."""
+        return self.runner.channel
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """Feed a drawn token to the request's matcher. A complete output (the grammar allows nothing more)
@@ -177,7 +185,7 @@ class EngineCore:
         if not ok or (m.is_stopped() and not req.sampling_params.ignore_eos):
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _take_results(self, handle: StepHandle, stats: StepStats) -> list[CoreOutput]:
+    def _take_results(self, handle: StepHandle, stats: StepStats) -> list[EngineCoreOutput]:
         waited = self.clock is not None and not self.runner.is_done(handle)
         result = self.runner.fetch(handle)
         if self.clock is not None:
@@ -215,11 +223,35 @@ class EngineCore:
             self._export_finished_blocks()
         if self.speculative is not None:
             self._propose_drafts()
-        if result.accepted is None:
-            return [(req, token, req.status.finished) for _, req, token in advanced]
-        self._count_speculation(out, result.accepted, stats)
-        last = {id(req): n for n, (_, req, _) in enumerate(advanced)}  # only a request's last token ends it
-        return [(req, token, req.status.finished and last[id(req)] == n) for n, (_, req, token) in enumerate(advanced)]
+        if result.accepted is not None:
+            self._count_speculation(out, result.accepted, stats)
+        return self._records(advanced, lp is not None)
+
+    @staticmethod
+    def _records(advanced: list, with_logprobs: bool) -> list[EngineCoreOutput]:
+        """The step's tokens as records by value. Only a request's last token of the step ends it; its logprob
+        entries are its last ones, in order (several with speculative decoding)."""
+        last = {id(req): n for n, (_, req, _) in enumerate(advanced)}
+        taken: dict[int, int] = {}  # request -> its tokens of this step so far
+        per_request = {}
+        for _, req, _ in advanced:
+            per_request[id(req)] = per_request.get(id(req), 0) + 1
+        records = []
+        for n, (_, req, token) in enumerate(advanced):
+            finished = req.status.finished and last[id(req)] == n
+            logprob = None
+            if with_logprobs and req.sampling_params.logprobs is not None:
+                j = taken[id(req)] = taken.get(id(req), 0) + 1
+                logprob = req.output_logprobs[len(req.output_logprobs) - per_request[id(req)] + j - 1]
+            rows = None
+            if (req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_handed
+                    and len(req.prompt_logprob_rows) >= len(req.prompt_token_ids) - 1):
+                rows, req.prompt_logprobs_handed = list(req.prompt_logprob_rows), True
+            records.append(EngineCoreOutput(
+                req.request_id, token, finished, req.status.finish_reason if finished else None,
+                req.stop_reason if finished else None, logprob, rows, req.num_cached_tokens,
+                req.first_scheduled_time))
+        return records
 
     def _export_finished_blocks(self) -> None:
         """Prefill/decode disaggregation, the producer: the blocks of the requests this step finished go to the

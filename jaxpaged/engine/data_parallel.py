@@ -10,7 +10,8 @@ import dataclasses
 from collections import ChainMap
 from collections.abc import Iterable
 
-from jaxpaged.engine.core import CoreOutput, EngineCore, StepStats
+from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine.core_output import EngineCoreOutput, EngineGauges, StepStats
 from jaxpaged.request import Request, RequestStatus
 
 
@@ -138,8 +139,26 @@ class DataParallelCore:
         """Now: the replicas are stepped in turn (`EngineCore.schedule_deadline` has none)."""
         return None
 
-    def step(self) -> list[CoreOutput]:
-        outputs: list[CoreOutput] = []
+    @property
+    def step_channel(self):
+        """None: the replicas live in this process."""
+        return None
+
+    def gauges(self) -> EngineGauges:
+        """The replicas' gauges summed (KV usage: their mean; the tiers': the first replica's, which they share)."""
+        each = [core.gauges() for core in self.replicas]
+        total = EngineGauges(offload=each[0].offload)
+        for g in each:
+            total.num_running += g.num_running
+            total.num_waiting += g.num_waiting
+            total.kv_blocks_used += g.kv_blocks_used
+            total.kv_usage += g.kv_usage / len(each)
+            total.prefix_queries_total += g.prefix_queries_total
+            total.prefix_hits_total += g.prefix_hits_total
+        return total
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
         stats = StepStats()
         for core in self.replicas:
             if core.has_unfinished_requests():
@@ -156,7 +175,7 @@ def merge_stats(a: StepStats, b: StepStats) -> StepStats:
     return dataclasses.replace(
         a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(StepStats)
               if isinstance(getattr(a, f.name), int)},
-        first_scheduled=a.first_scheduled + b.first_scheduled, spec_accepted_per_pos=tuple(per_pos),
+        spec_accepted_per_pos=tuple(per_pos),
         tenant_kv_blocks=_sum_counts(a.tenant_kv_blocks, b.tenant_kv_blocks))
 
 

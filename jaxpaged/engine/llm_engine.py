@@ -23,7 +23,8 @@ from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.distributed import multihost
 from jaxpaged.distributed.tensor_parallel import check_tensor_parallel, replica_meshes
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.core import EngineCore, StepStats
+from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine.core_output import EngineGauges, StepStats
 from jaxpaged.engine.data_parallel import DataParallelCore
 from jaxpaged.engine.kv_cache_sizing import (
     num_host_blocks,
@@ -400,12 +401,23 @@ class LLMEngine:
         """Stop requests (and all their samples) and free their blocks at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            core_ids = self.output.abort(rid)
-            for cid in core_ids:  # a sibling that never forked is in no queue: it just ends
-                req = self.scheduler.requests.get(cid)
-                if req is not None:
-                    req.pending_forks = []
-            self.scheduler.abort_requests(core_ids)
+            self.abort_core_requests(self.output.abort(rid))
+
+    # -- the core's requests, by id (`AsyncLLM`'s engine thread calls these) --------------------------------------
+    def abort_core_requests(self, core_ids: list[str]) -> None:
+        """Abort core requests and free their blocks; a sibling that never forked is in no queue: it just ends."""
+        for cid in core_ids:
+            if (req := self.scheduler.requests.get(cid)) is not None:
+                req.pending_forks = []
+        self.scheduler.abort_requests(core_ids)
+
+    def finish_core_requests(self, core_ids: list[str]) -> None:
+        """End core requests that a stop string ended (the output side found it) and free their blocks."""
+        self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_STOPPED)
+
+    def restore_core_requests(self, requests: list[Request]) -> None:
+        """Queue a snapshot's core requests as they were (their forks included)."""
+        self.scheduler.add_requests(requests)
 
     def warm_steps(self) -> float:
         """Run every step bucket on an empty batch, so that the first requests a server takes pay no step's
@@ -433,27 +445,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One core step; returns the outputs of requests that advanced or ended, as each asked for them."""
         outputs = self.core.step()
-        self.record_step(self.core.last_stats)
+        self.record_step(self.core.last_stats, self.core.gauges())
         results, stopped = self.output.process(outputs)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.finish_core_requests(stopped)
         return results
 
-    def record_step(self, step: StepStats) -> None:
-        m, replicas = self.metrics, self.core.replicas
-        kvs = [c.kv_cache_manager for c in replicas]
-        used = sum(kv.pool.num_blocks - 1 - kv.num_free_blocks for kv in kvs)
-        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
+    def record_step(self, step: StepStats, gauges: EngineGauges) -> None:
+        """A step's counters and the engine's gauges after it into the stats and metrics (values: `AsyncLLM`
+        calls this on its output thread)."""
+        m = self.metrics
+        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, gauges.kv_blocks_used)
         self.stats.num_steps += 1
         self.stats.num_prompt_tokens += step.num_prompt_tokens
         self.stats.num_generation_tokens += step.num_generation_tokens
         m.observe_step(prompt_tokens=step.num_prompt_tokens, generation_tokens=step.num_generation_tokens,
-                       preemptions=step.num_preemptions, running=self.scheduler.num_running,
-                       waiting=self.scheduler.num_waiting, kv_usage=sum(kv.usage() for kv in kvs) / len(kvs),
-                       prefix_queries_total=sum(kv.num_queried_tokens for kv in kvs),
-                       prefix_hits_total=sum(kv.num_hit_tokens for kv in kvs))
-        if replicas[0].offload is not None:
-            m.observe_offload(replicas[0].offload.stats())
+                       preemptions=step.num_preemptions, running=gauges.num_running, waiting=gauges.num_waiting,
+                       kv_usage=gauges.kv_usage, prefix_queries_total=gauges.prefix_queries_total,
+                       prefix_hits_total=gauges.prefix_hits_total)
+        if gauges.offload is not None:
+            m.observe_offload(gauges.offload)
         for t, n in (step.tenant_kv_blocks or {}).items():
             if t is not None:
                 m.tenant_kv_blocks.labels(tenant=t).set(n)

@@ -13,10 +13,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from jaxpaged.engine.core import CoreOutput
+from jaxpaged.engine.core_output import EngineCoreOutput
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_output
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
+from jaxpaged.sampling_params import SamplingParams
 
 
 class RequestOutputKind(enum.Enum):
@@ -37,14 +38,20 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 @dataclass
 class _Sample:
-    """One of a request's n samples, as the frontend tracks it."""
+    """One of a request's n samples, as the frontend tracks it: its own copies of what the core's records said
+    (the core's `Request` is the engine thread's)."""
 
     index: int
-    request: Request
+    request_id: str  # the core request's
+    params: SamplingParams
+    arrival_time: float
+    seed: int
     detokenizer: IncrementalDetokenizer | None  # None: FINAL_ONLY without stop strings (decoded at the end)
+    token_ids: list[int] = field(default_factory=list)  # output tokens taken in
+    token_logprobs: list = field(default_factory=list)  # (asked for) each token's (logprob, rank, top ids, lps)
+    last_token_time: float | None = None
     final_text: str | None = None  # set when a stop string cut the text, or at the end
     stop_checked: int = 0  # text length already searched for stop strings
-    num_tokens: int = 0  # output tokens taken in (the core may be ahead, with tokens this sample will drop)
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # (its parent's)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -57,12 +64,16 @@ class _Sample:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_tokens(self) -> int:  # (the core may be ahead, with tokens this sample will drop)
+        return len(self.token_ids)
+
     def text(self) -> str:
         """Text safe to show: the final text, or the text minus a tail that may still become a stop string."""
         if self.final_text is not None:
             return self.final_text
         text = self.detokenizer.text
-        return text[: len(text) - _stop_prefix_len(text, self.request.sampling_params.stop)]
+        return text[: len(text) - _stop_prefix_len(text, self.params.stop)]
 
 
 @dataclass
@@ -73,8 +84,13 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     kind: RequestOutputKind
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
     samples: list[_Sample] = field(default_factory=list)
+    prompt_logprob_rows: list | None = None  # (prompt_logprobs) all of them, once the core has them
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = -1
 
     @property
     def finished(self) -> bool:
@@ -101,14 +117,16 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], requests: list[Request],
             kind: RequestOutputKind) -> None:
-        parent = _Parent(request_id, prompt, prompt_ids, kind)
+        first = requests[0]
+        parent = _Parent(request_id, prompt, prompt_ids, kind, first.priority, first.tenant, first.cache_salt)
         for i, req in enumerate(requests):
             p = req.sampling_params
             incremental = kind != RequestOutputKind.FINAL_ONLY or bool(p.stop)
             det = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens,
                                          spaces_between_special_tokens=p.spaces_between_special_tokens
                                          ) if incremental else None
-            sample = _Sample(i, req, det, logprobs=[] if p.logprobs is not None else None, kind=kind)
+            sample = _Sample(i, req.request_id, p, req.arrival_time, req.seed, det,
+                             logprobs=[] if p.logprobs is not None else None, kind=kind)
             parent.samples.append(sample)
             self.sample_of[req.request_id] = sample
             self.parent_of[req.request_id] = parent
@@ -117,16 +135,23 @@ class OutputProcessor:
     def restore_samples(self, request_id: str, saved: list[dict]) -> None:
         """Bring a just-added request's samples to a snapshot's state (engine/snapshot.py): the tokens taken in,
         their text and logprobs, or how a sample finished. Outputs made from here on hold everything so far."""
-        for sample, d in zip(self.parents[request_id].samples, saved):
+        parent, now = self.parents[request_id], time.monotonic()
+        rows = saved[0]["prompt_logprob_rows"] if saved else []
+        if parent.samples and parent.samples[0].params.prompt_logprobs is not None and rows is not None and len(
+                rows) >= len(parent.prompt_token_ids) - 1:
+            parent.prompt_logprob_rows = [tuple(r) for r in rows]
+        for sample, d in zip(parent.samples, saved):
             tokens = d["output_token_ids"]
-            sample.num_tokens = len(tokens)
+            sample.token_ids = list(tokens)
+            sample.token_logprobs = [tuple(x) for x in d["output_logprobs"]]
+            sample.last_token_time = now  # (its next token is no first token)
+            parent.num_cached_tokens = max(parent.num_cached_tokens, d["num_cached_tokens"])
             if sample.detokenizer is not None and tokens:
                 for t in tokens:  # (one by one: the text a sample streamed token by token)
                     sample.detokenizer.add_tokens([t])
                 sample.stop_checked = len(sample.detokenizer.text)
             if sample.logprobs is not None:
-                sample.logprobs = [self._logprob_entry(t, info) for t, info in
-                                   zip(tokens, sample.request.output_logprobs)]
+                sample.logprobs = [self._logprob_entry(t, info) for t, info in zip(tokens, sample.token_logprobs)]
             if d["finish_reason"] is not None:
                 sample.finish_reason, sample.stop_reason = d["finish_reason"], d["stop_reason"]
                 sample.final_text = d["final_text"]
@@ -144,46 +169,52 @@ class OutputProcessor:
             return []
         ids = []
         for s in parent.samples:
-            ids.append(s.request.request_id)
-            self.sample_of.pop(s.request.request_id, None)
-            self.parent_of.pop(s.request.request_id, None)
+            ids.append(s.request_id)
+            self.sample_of.pop(s.request_id, None)
+            self.parent_of.pop(s.request_id, None)
             if not s.finished:
                 self.metrics.success.labels(finished_reason="abort").inc()
         return ids
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Request outputs for this step's core outputs, and the core requests a stop string ended (to free)."""
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         first, between, queued = [], [], []  # latencies, observed once per step
         sample_of, parent_of, final_only = self.sample_of, self.parent_of, RequestOutputKind.FINAL_ONLY
-        for req, token, ended in outputs:
-            sample = sample_of.get(req.request_id)
+        for rec in outputs:
+            sample = sample_of.get(rec.request_id)
             if sample is None or sample.finish_reason is not None:
                 continue  # aborted, or ended by a stop string while a step was in flight
-            last = req.last_token_time
+            parent, token = parent_of[rec.request_id], rec.token
+            if rec.prompt_logprob_rows is not None and parent.prompt_logprob_rows is None:
+                parent.prompt_logprob_rows = rec.prompt_logprob_rows
+            if sample.index == 0:
+                parent.num_cached_tokens = rec.num_cached_tokens
+            last = sample.last_token_time
             if last is None:
-                first.append(now - req.arrival_time)
-                if req.first_scheduled_time is not None:
-                    queued.append(req.first_scheduled_time - req.arrival_time)
+                first.append(now - sample.arrival_time)
+                if rec.first_scheduled_time is not None:
+                    queued.append(rec.first_scheduled_time - sample.arrival_time)
             elif last != now:  # (speculative decoding: a step's later tokens of a request are not new gaps)
                 between.append(now - last)
-            req.last_token_time = now
-            sample.num_tokens += 1
-            if sample.logprobs is not None:
-                sample.logprobs.append(self._logprob_entry(token, req.output_logprobs[sample.num_tokens - 1]))
+            sample.last_token_time = now
+            sample.token_ids.append(token)
+            if rec.logprob is not None:
+                sample.token_logprobs.append(rec.logprob)
+                if sample.logprobs is not None:
+                    sample.logprobs.append(self._logprob_entry(token, rec.logprob))
             if sample.detokenizer is not None:
                 sample.detokenizer.add_tokens([token])
-                if req.sampling_params.stop and self._check_stop_strings(sample):
-                    stopped.append(req.request_id)
-            if ended and sample.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = req.status.finish_reason, req.stop_reason
+                if sample.params.stop and self._check_stop_strings(sample):
+                    stopped.append(rec.request_id)
+            if rec.finished and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = rec.finish_reason, rec.stop_reason
             if sample.finish_reason is not None:
                 self._finish(sample, now)
             elif sample.kind is final_only:
                 continue
-            parent = parent_of[req.request_id]
             touched[parent.request_id] = parent
         self.metrics.ttft.observe_many(first)
         self.metrics.itl.observe_many(between)
@@ -198,7 +229,7 @@ class OutputProcessor:
 
     def _check_stop_strings(self, sample: _Sample) -> bool:
         """End the sample at the first stop string in its text; True if one was found."""
-        p = sample.request.sampling_params
+        p = sample.params
         text = sample.detokenizer.text
         start = max(0, sample.stop_checked - max(len(x) for x in p.stop) + 1)
         sample.stop_checked = len(text)
@@ -211,25 +242,23 @@ class OutputProcessor:
         return True
 
     def _finish(self, sample: _Sample, now: float) -> None:
-        req = sample.request
         if sample.final_text is None:
             if sample.detokenizer is not None:
                 sample.detokenizer.flush()
                 sample.final_text = sample.detokenizer.text
             else:
-                p = req.sampling_params
-                sample.final_text = decode_output(self.tokenizer, req.prompt_token_ids,
-                                                  req.output_token_ids[: sample.num_tokens],
-                                                  skip_special_tokens=p.skip_special_tokens,
+                p = sample.params
+                sample.final_text = decode_output(self.tokenizer, self.parent_of[sample.request_id].prompt_token_ids,
+                                                  sample.token_ids, skip_special_tokens=p.skip_special_tokens,
                                                   spaces_between_special_tokens=p.spaces_between_special_tokens)
-        self.metrics.e2e.observe(now - req.arrival_time)
+        self.metrics.e2e.observe(now - sample.arrival_time)
         self.metrics.success.labels(finished_reason=sample.finish_reason).inc()
 
     def _forget(self, parent: _Parent) -> None:
         self.parents.pop(parent.request_id, None)
         for s in parent.samples:
-            self.sample_of.pop(s.request.request_id, None)
-            self.parent_of.pop(s.request.request_id, None)
+            self.sample_of.pop(s.request_id, None)
+            self.parent_of.pop(s.request_id, None)
 
     def _logprob_entry(self, token: int, info) -> dict[int, Logprob]:
         """vLLM's {token id: Logprob} for one generated token: the top k alternatives and the token itself."""
@@ -238,13 +267,13 @@ class OutputProcessor:
         entry[token] = Logprob(lp, rank, self.token_text(token))
         return entry
 
-    def _prompt_logprobs(self, req: Request) -> list | None:
+    def _prompt_logprobs(self, parent: _Parent) -> list | None:
         """vLLM's `prompt_logprobs`: None for the first prompt token, then {token_id: Logprob} per token."""
-        k = req.sampling_params.prompt_logprobs
-        if k is None or len(req.prompt_logprob_rows) < len(req.prompt_token_ids) - 1:
+        k = parent.samples[0].params.prompt_logprobs
+        if k is None or parent.prompt_logprob_rows is None:
             return None
         entries: list = [None]
-        for tok, lp, rank, top_ids, top_lps in req.prompt_logprob_rows:
+        for tok, lp, rank, top_ids, top_lps in parent.prompt_logprob_rows:
             entry = {int(t): Logprob(float(v), r + 1, self.token_text(int(t))) for r, (t, v) in
                      enumerate(zip(top_ids[:k], top_lps[:k]))}
             entry[tok] = Logprob(lp, rank, self.token_text(tok))
@@ -255,11 +284,9 @@ class OutputProcessor:
         delta = parent.kind == RequestOutputKind.DELTA
         outputs = []
         for s in parent.samples:
-            req = s.request
-            text, tokens = s.text(), req.output_token_ids[: s.num_tokens]
+            text, tokens = s.text(), s.token_ids
             logprobs = s.logprobs
-            cumulative = (float(sum(x[0] for x in req.output_logprobs[: s.num_tokens])) if logprobs is not None
-                          else None)
+            cumulative = float(sum(x[0] for x in s.token_logprobs)) if logprobs is not None else None
             if delta:
                 if s.sent_finish or (len(text) == s.sent_text and len(tokens) == s.sent_tokens and not s.finished):
                     continue
@@ -272,9 +299,9 @@ class OutputProcessor:
                                             finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         prompt_lp = None
         if not (delta and parent.prompt_logprobs_sent):
-            prompt_lp = self._prompt_logprobs(parent.samples[0].request)
+            prompt_lp = self._prompt_logprobs(parent)
             parent.prompt_logprobs_sent = prompt_lp is not None
-        cached = parent.samples[0].request.num_cached_tokens
+        cached = parent.num_cached_tokens
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.finished,
                              prompt_logprobs=prompt_lp, num_cached_tokens=cached if cached >= 0 else None)
 

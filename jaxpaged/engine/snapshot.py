@@ -95,28 +95,30 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
     held = [r.request_id for r in engine.scheduler.requests.values() if r.hold_output and not r.finished]
     if held:
         raise ValueError(f"save_state: a beam search is in progress (requests {held[:3]}); it cannot be saved")
+    live = engine.scheduler.requests  # (the engine thread's: it is stopped, or this is it)
     out = []
     for parent in engine.output.parents.values():
         samples = []
-        first = parent.samples[0].request
-        pending = {id(r) for r in first.pending_forks}
+        first = live.get(parent.samples[0].request_id)  # (the first sample is never a pending fork)
+        pending = {r.request_id: r for r in first.pending_forks} if first is not None else {}
         for s in parent.samples:
-            req = s.request
-            n = s.num_tokens
+            req = live.get(s.request_id) or pending.get(s.request_id)
             samples.append({
-                "request_id": req.request_id, "seed": req.seed,
-                "output_token_ids": list(req.output_token_ids[:n]),
-                "output_logprobs": _plain(req.output_logprobs[:n]),
-                "prompt_logprob_rows": _plain(req.prompt_logprob_rows),
-                "num_preemptions": req.num_preemptions, "num_cached_tokens": req.num_cached_tokens,
-                "pending_fork": id(req) in pending,
+                "request_id": s.request_id, "seed": s.seed,
+                "output_token_ids": list(s.token_ids),
+                "output_logprobs": _plain(s.token_logprobs),
+                "prompt_logprob_rows": _plain(req.prompt_logprob_rows if req is not None
+                                              else parent.prompt_logprob_rows or []),
+                "num_preemptions": req.num_preemptions if req is not None else 0,
+                "num_cached_tokens": req.num_cached_tokens if req is not None else parent.num_cached_tokens,
+                "pending_fork": s.request_id in pending,
                 "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                 "final_text": s.final_text if s.finished else None,
             })
         out.append({"request_id": parent.request_id, "prompt": parent.prompt,
                     "prompt_token_ids": list(parent.prompt_token_ids), "kind": parent.kind.name,
-                    "priority": first.priority, "tenant": first.tenant, "cache_salt": first.cache_salt,
-                    "params": _params_to_json(first.sampling_params), "samples": samples})
+                    "priority": parent.priority, "tenant": parent.tenant, "cache_salt": parent.cache_salt,
+                    "params": _params_to_json(parent.samples[0].params), "samples": samples})
     return out
 
 
@@ -167,7 +169,7 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, gramm
                       prompt_logprob_rows=[tuple(x) for x in s["prompt_logprob_rows"]],
                       num_preemptions=s["num_preemptions"], num_cached_tokens=s.get("num_cached_tokens", -1))
         if outputs:  # continued like a request preempted by recompute; its first token's latency is history
-            req.status, req.last_token_time, req.first_scheduled_time = RequestStatus.PREEMPTED, now, now
+            req.status, req.first_scheduled_time = RequestStatus.PREEMPTED, now
         if grammar is not None:
             req.grammar_matcher = structured.matcher(grammar)
             for t in outputs:
