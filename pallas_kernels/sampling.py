@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 def first_argmax(x: Float[Array, "B V"]) -> Int[Array, "B"]:
     """jnp.argmax over the last axis (the first index of the largest value), as a max and a masked min: XLA:CPU
-    runs argmax's paired (value, index) reduction 4x slower (3.9 vs 1.0 ms for 32 x 49,152)."""
+    runs argmax's paired (value, index) reduction several times slower (docs/benchmarks/design-choices.md)."""
     v = x.shape[-1]
     hit = x == x.max(axis=-1, keepdims=True)
     return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
@@ -95,15 +95,20 @@ def reference_top_k_top_p_sampling(
     temperature: Float[Array, "B"],
     top_k: Int[Array, "B"],
     top_p: Float[Array, "B"],
+    needs_filter: bool | None = None,
 ) -> Int[Array, "B"]:
-    """One token per row; `key` is one PRNG key (rows draw independently) or one key per row [B, 2]."""
+    """One token per row; `key` is one PRNG key (rows draw independently) or one key per row [B, 2].
+    needs_filter: whether some row filters (known to the caller), or None: decided here (a `lax.cond`)."""
     check_sampling_args(logits, key, temperature, top_k, top_p)
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
     greedy_rows = temperature <= 0
     scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
-    needs_filter = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
-    filtered = jax.lax.cond(needs_filter, top_k_top_p_mask, lambda x, *_: x, scaled, top_k, top_p)
+    if needs_filter is None:
+        filtering = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+        filtered = jax.lax.cond(filtering, top_k_top_p_mask, lambda x, *_: x, scaled, top_k, top_p)
+    else:
+        filtered = top_k_top_p_mask(scaled, top_k, top_p) if needs_filter else scaled
     weights = jnp.exp(filtered - filtered.max(axis=-1, keepdims=True))
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys(key, b))  # (0, 1]
     sampled = categorical_from_uniform(weights, u)

@@ -25,9 +25,10 @@ Stages (each a subprocess with its own time limit, so one that hangs or fails co
      --output-dir/profile, summed up in profile_summary.json by `trace_summary`: where a step's time goes on
      the device, kernel by kernel, and on the host; on an H200 the engine took 12.7 ms a step where its host
      work is ~0.7 ms, `jaxpaged bench host`).
- 10. with --with-step-variants: stage 4 with the layers as a Python loop ($JAXPAGED_LAYER_LAYOUT=per_layer), and
-     with XLA's conditionals and while loops recorded into its CUDA graphs (XLA_FLAGS), against the profile of
-     2026-12-04 (the host waiting in a conditional, the layer scan's loop).
+ 10. with --with-step-variants: stage 4 with the layers as a Python loop ($JAXPAGED_LAYER_LAYOUT=per_layer),
+     with XLA's conditionals and while loops recorded into its CUDA graphs (XLA_FLAGS), and with the step's
+     branches decided on the device (`--step-branches device`, the conditionals the GPU default now leaves out),
+     against the profile of 2026-12-04 (the host waiting in a conditional, the layer scan's loop).
 Needs only what the GPU machine has (jax, flax, transformers, torch); installs nothing. Writes JSON per stage
 and `gpu_bench.json` under --output-dir.
 """
@@ -49,6 +50,7 @@ STAGES = {  # name -> (time limit in seconds, smoke time limit), in the order th
     "functional": (50, 300), "jaxpaged_sync_seqs256": (60, 300),  # with --with-functional / --with-sync only
     "jaxpaged_profile": (80, 300),  # with --with-profile only
     "jaxpaged_per_layer_seqs256": (70, 300), "jaxpaged_cb_seqs256": (70, 300),  # with --with-step-variants only
+    "jaxpaged_device_branches_seqs256": (70, 300),  # (also): the step's conditionals decided on the device
 }
 
 # stage -> environment of the engine variants timed by --with-step-variants (an H200 profile, 2026-12-04: per
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                                        "--no-async-scheduling"]),
         **{name: _throughput_cmd(model, "", ns, extra=["--max-num-seqs", "256", "--dtype", dtype])
            for name in STEP_VARIANTS},
+        "jaxpaged_device_branches_seqs256": _throughput_cmd(model, "", ns, extra=[
+            "--max-num-seqs", "256", "--dtype", dtype, "--step-branches", "device"]),
         "jaxpaged_profile": _throughput_cmd(model, "", ns, extra=[
             "--max-num-seqs", "256", "--dtype", dtype, "--profile-dir", os.path.join(ns.output_dir, "profile")]),
     }
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          ("jaxpaged_tuned_seqs256", ns.with_tune and ns.with_tuned_engine),  # (this run's tuning)
                          ("functional", ns.with_functional), ("jaxpaged_sync_seqs256", ns.with_sync),
                          ("jaxpaged_profile", ns.with_profile), ("hf_static_bs256", not ns.no_hf),
+                         ("jaxpaged_device_branches_seqs256", ns.with_step_variants),
                          *((name, ns.with_step_variants) for name in STEP_VARIANTS)):
         if not wanted:
             del stages[name]

@@ -187,6 +187,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties and biases)
     attention_backend: str = "reference"  # resolved: "pallas", "pallas-interpret", "cpu" or "reference"
     sampler_backend: str = "reference"  # resolved: "pallas", "pallas-interpret" or "reference"
+    branch_on_host: bool = False  # the step's optional parts decided on the host: a compiled variant per feature set
     share_forked_blocks: bool = True  # n > 1 siblings and beams share blocks (copy-on-write)
     async_scheduling: bool = False  # schedule step N+1 while the device runs step N
     late_scheduling: bool = False  # (served, with async scheduling) schedule N+1 just before N is predicted to end

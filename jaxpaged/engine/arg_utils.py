@@ -43,6 +43,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "hybrid")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ROLES = ("producer", "consumer", "both")
+STEP_BRANCHES = ("auto", "host", "device")
 
 
 @dataclass
@@ -90,6 +91,10 @@ class EngineArgs:
                                            "runs the (slow) interpreter", ATTENTION_BACKENDS)
     sampler_backend: str = _flag("auto", "auto: the Pallas kernel on GPU, the plain-JAX path elsewhere; "
                                          "pallas off GPU runs the (slow) interpreter", KERNEL_BACKENDS)
+    step_branches: str = _flag("auto", "who decides the step's optional parts (penalties, bias, min_p, logprobs, "
+                                       "sampling, drafts, grammar masks): host picks a compiled variant per "
+                                       "feature set (no conditional waits on the device); device runs them under "
+                                       "lax.cond; auto: host on GPU, device elsewhere", STEP_BRANCHES)
     # n > 1 samples fork from one prefilled prompt and beams fork from their parent, sharing blocks with
     # copy-on-write. Off (for measuring what sharing saves): samples prefill on their own and beams fork
     # by copying every block.

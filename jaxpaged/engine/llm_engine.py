@@ -226,6 +226,7 @@ class LLMEngine:
             logprobs_mode=args.logprobs_mode,
             attention_backend=attention_backend,
             sampler_backend=sampler_backend,
+            branch_on_host=args.step_branches == "host" or (args.step_branches == "auto" and platform_is_gpu()),
             share_forked_blocks=args.share_forked_blocks,
             async_scheduling=args.resolved_async_scheduling(),
             late_scheduling=args.late_scheduling,

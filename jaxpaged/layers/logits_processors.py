@@ -7,7 +7,8 @@ step like the KV pool:
   bias[slot, v]           logit_bias, allowed_token_ids and bad_words folded into one additive row;
   min_tokens_mask[slot, v] EOS and stop ids, suppressed while fewer than min_tokens were generated.
 Counts are rebuilt from the tokens the step is fed, so a request resumed after recompute preemption
-gets them back for free. Each feature runs under `lax.cond`, so batches without it skip its work.
+gets them back for free. Batches without a feature skip its work: decided on the host (`StepFeatures`) or
+under `lax.cond`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures, branch
 
 NEG_INF = -jnp.inf
 
@@ -81,7 +84,8 @@ def apply_penalties(logits, counts, seen, rep, pres, freq):
     return logits - freq[:, None] * counts - pres[:, None] * (counts > 0)
 
 
-def process_logits(logits: Float[Array, "S V"], state: RowState, p: ProcessorInputs) -> Float[Array, "S V"]:
+def process_logits(logits: Float[Array, "S V"], state: RowState, p: ProcessorInputs,
+                   features: StepFeatures = ON_DEVICE) -> Float[Array, "S V"]:
     """Bias rows and min_tokens masks, then penalties (before temperature; min_p comes with sampling)."""
     rows = p.row_slot
 
@@ -95,10 +99,13 @@ def process_logits(logits: Float[Array, "S V"], state: RowState, p: ProcessorInp
         return apply_penalties(x, state.output_counts[rows], state.prompt_seen[rows], p.repetition_penalty,
                                p.presence_penalty, p.frequency_penalty)
 
-    logits = jax.lax.cond(jnp.any(p.use_bias), with_bias, lambda x: x, logits)
-    logits = jax.lax.cond(jnp.any(p.suppress_stop), with_min_tokens, lambda x: x, logits)
-    needs = jnp.any((p.repetition_penalty != 1) | (p.presence_penalty != 0) | (p.frequency_penalty != 0))
-    return jax.lax.cond(needs, with_penalties, lambda x: x, logits)
+    def penalized():
+        return jnp.any((p.repetition_penalty != 1) | (p.presence_penalty != 0) | (p.frequency_penalty != 0))
+
+    keep = lambda x: x  # noqa: E731
+    logits = branch(features.bias, lambda: jnp.any(p.use_bias), with_bias, keep, logits)
+    logits = branch(features.min_tokens, lambda: jnp.any(p.suppress_stop), with_min_tokens, keep, logits)
+    return branch(features.penalties, penalized, with_penalties, keep, logits)
 
 
 def apply_min_p(scaled: Float[Array, "S V"], min_p: Float[Array, "S"]) -> Float[Array, "S V"]:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxpaged.layers.logits_processors import RowState
 from jaxpaged.layers.sampler import SamplerOutput, sample
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures, branch
 from jaxpaged.layers.token_bitmask import apply_token_bitmask
 
 # fewer rows: one branch. The second branch compiles the sampler again (+28% compile time for a small test
@@ -30,7 +31,7 @@ def head_rows(s: int) -> int:
 
 
 def sample_rows(model, hidden, inp, row_state: RowState, bitmask, *, logprobs_mode: str,
-                backend: str) -> SamplerOutput:
+                backend: str, features: StepFeatures = ON_DEVICE) -> SamplerOutput:
     """`sample` on the logits of each sequence row's last token [S]; rows that draw nothing get zeros when the
     narrow branch runs (the host reads only the rows that draw)."""
     s = inp.logits_indices.shape[0]
@@ -40,8 +41,8 @@ def sample_rows(model, hidden, inp, row_state: RowState, bitmask, *, logprobs_mo
         def run(_):
             meta = inp.sampling if rows == s else inp.sampling.head(rows)
             logits = model.compute_logits(hidden[inp.logits_indices[:rows]], inp.head_rows)  # [rows, V]
-            out = sample(apply_token_bitmask(logits, bitmask[:rows]), row_state, meta, logprobs_mode=logprobs_mode,
-                         backend=backend)
+            out = sample(apply_token_bitmask(logits, bitmask[:rows], features.bitmask), row_state, meta,
+                         logprobs_mode=logprobs_mode, backend=backend, features=features)
             if rows == s:
                 return out
             return jax.tree.map(lambda x: jnp.zeros((s, *x.shape[1:]), x.dtype).at[:rows].set(x), out)
@@ -50,4 +51,4 @@ def sample_rows(model, hidden, inp, row_state: RowState, bitmask, *, logprobs_mo
     if k == s:
         return draw(s)(None)
     num_slots = row_state.bias.shape[0]  # draw_rows holds this where a row draws nothing
-    return jax.lax.cond(jnp.all(inp.draw_rows[k:] >= num_slots), draw(k), draw(s), None)
+    return branch(features.narrow, lambda: jnp.all(inp.draw_rows[k:] >= num_slots), draw(k), draw(s), None)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt32
 
 from jaxpaged.layers.logits_processors import ProcessorInputs, RowState, apply_min_p, process_logits
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures, branch
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels.sampling import (
     categorical_from_uniform,
@@ -56,23 +57,24 @@ def request_keys(seeds: UInt32[Array, "S"], steps: Int[Array, "S"]):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, steps)
 
 
-def _draw(x: Float[Array, "S V"], meta: SamplingMetadata, backend: str) -> Int[Array, "S"]:
+def _draw(x: Float[Array, "S V"], meta: SamplingMetadata, backend: str, features: StepFeatures) -> Int[Array, "S"]:
     greedy = meta.temperature <= 0
     scaled = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
-    scaled = jax.lax.cond(jnp.any(meta.processors.min_p > 0), apply_min_p, lambda y, _: y, scaled,
-                          meta.processors.min_p)
+    min_p = meta.processors.min_p
+    scaled = branch(features.min_p, lambda: jnp.any(min_p > 0), apply_min_p, lambda y, _: y, scaled, min_p)
     keys = request_keys(meta.seeds, meta.steps)
     temperature = jnp.where(greedy, 0.0, 1.0)  # already applied
-    return filtered_draw(scaled, keys, temperature, meta.top_k, meta.top_p, backend)
+    return filtered_draw(scaled, keys, temperature, meta.top_k, meta.top_p, backend, features.filter)
 
 
 def filtered_draw(x: Float[Array, "S V"], keys, temperature: Float[Array, "S"], top_k: Int[Array, "S"],
-                  top_p: Float[Array, "S"], backend: str) -> Int[Array, "S"]:
+                  top_p: Float[Array, "S"], backend: str, needs_filter: bool | None = None) -> Int[Array, "S"]:
     """A token per row drawn after top-k and top-p filtering (greedy where temperature is 0): the sort-free
-    Pallas kernel ("pallas", "pallas-interpret") or the sorting reference."""
+    Pallas kernel ("pallas", "pallas-interpret") or the sorting reference (needs_filter: whether some row filters,
+    known on the host; None: decided on the device)."""
     if backend in ("pallas", "pallas-interpret"):
         return top_k_top_p_sampling(x, keys, temperature, top_k, top_p, interpret=backend == "pallas-interpret")
-    return reference_top_k_top_p_sampling(x, keys, temperature, top_k, top_p)
+    return reference_top_k_top_p_sampling(x, keys, temperature, top_k, top_p, needs_filter=needs_filter)
 
 
 def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
@@ -85,21 +87,21 @@ def token_logprobs(source: Float[Array, "N V"], tokens: Int[Array, "N"]):
 
 
 def sample(logits: Float[Array, "S V"], row_state: RowState, meta: SamplingMetadata, *,
-           logprobs_mode: str = "raw_logprobs", backend: str = "reference") -> SamplerOutput:
+           logprobs_mode: str = "raw_logprobs", backend: str = "reference",
+           features: StepFeatures = ON_DEVICE) -> SamplerOutput:
     """Next token per row. All-greedy batches skip the random draw; batches without logprobs skip top-k.
 
     backend: "reference" (sorts rows), "pallas" (the sort-free kernel) or "pallas-interpret".
     """
-    processed = process_logits(logits, row_state, meta.processors)
-    all_greedy = jnp.all(meta.temperature <= 0)
-    tokens = jax.lax.cond(all_greedy, first_argmax,
-                          lambda x: _draw(x, meta, backend), processed)
+    processed = process_logits(logits, row_state, meta.processors, features)
+    tokens = branch(features.sampling, lambda: ~jnp.all(meta.temperature <= 0),
+                    lambda x: _draw(x, meta, backend, features), first_argmax, processed)
     source = logits if logprobs_mode == "raw_logprobs" else processed
     s = logits.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
             jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
-    lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(meta.num_logprobs >= 0), token_logprobs,
-                                             lambda *_: none, source, tokens)
+    lp, rank, top_ids, top_lp = branch(features.logprobs, lambda: jnp.any(meta.num_logprobs >= 0), token_logprobs,
+                                       lambda *_: none, source, tokens)
     return SamplerOutput(tokens, lp, rank, top_ids, top_lp)
 
 

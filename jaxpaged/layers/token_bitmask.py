@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxpaged.layers.step_features import branch
 
-def apply_token_bitmask(logits: Float[Array, "S V"], bitmask: Int[Array, "S W"]) -> Float[Array, "S V"]:
+
+def apply_token_bitmask(logits: Float[Array, "S V"], bitmask: Int[Array, "S W"], flag: bool | None = None
+                        ) -> Float[Array, "S V"]:
     """-inf where bit v % 32 of bitmask[s, v // 32] is clear; rows of all ones (-1) are left alone, and a step
-    without any constrained row skips the work."""
+    without any constrained row skips the work (`flag`: the host's `StepFeatures.bitmask`; None: decided here)."""
     s, v = logits.shape
 
     def masked(x):
@@ -17,4 +19,4 @@ def apply_token_bitmask(logits: Float[Array, "S V"], bitmask: Int[Array, "S W"])
         allowed = bits.reshape(s, -1)[:, :v] != 0
         return jnp.where(allowed, x, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(bitmask != -1), masked, lambda x: x, logits)
+    return branch(flag, lambda: jnp.any(bitmask != -1), masked, lambda x: x, logits)

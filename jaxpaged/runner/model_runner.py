@@ -33,8 +33,9 @@ from jaxpaged.kv_offload import KVOffload
 from jaxpaged.layers.attention import empty_kv_pool, empty_kv_pool_soon, kv_pool_spec
 from jaxpaged.layers.backends import CPU_CUSTOM_CALL_TARGETS
 from jaxpaged.layers.logits_processors import RowState, write_rows
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures
 from jaxpaged.models.llama import LlamaForCausalLM
-from jaxpaged.runner import device_step, step_channel
+from jaxpaged.runner import device_step, step_channel, step_timing
 from jaxpaged.runner.block_transfer import CHUNK, BlockTransfer
 from jaxpaged.runner.compilation import (
     CompileGuard,
@@ -50,6 +51,7 @@ from jaxpaged.runner.step_input import (
 from jaxpaged.runner.step_loader import StepLoader
 from jaxpaged.runner.step_records import PreparedStep, StepHandle, StepResult
 from jaxpaged.runner.step_results import StepResultReader
+from jaxpaged.runner.step_variants import StepVariants
 from jaxpaged.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class ModelRunner:
         # whether a step costs its whole bucket, or only its real tokens (packed CPU weights: `warm_steps`' times
         # are then full buckets', and a partly filled step costs less)
         self.pays_for_padding = stub or getattr(model, "pays_for_padding", True)
+        self.variants = StepVariants(False, self._jitted, num_slots=self.num_rows, vocab_size=mc.vocab_size,
+                                     draft_model=draft_model is not None)
         if stub:
             return
         self.graphdef, self.state = nnx.split(model)
@@ -112,6 +116,8 @@ class ModelRunner:
         self.last_token = self._replicated(jnp.zeros(self.num_rows, jnp.int32))
         self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
         self.channel = step_channel.attach(self)  # a mesh over several processes: process 0 sends each device call
+        # (several processes: each would have to pick the variant; they keep the device's conditionals)
+        self.variants.enabled = config.branch_on_host and self.channel is None
 
     @property
     def kv_pool(self) -> jax.Array:
@@ -140,6 +146,7 @@ class ModelRunner:
             if isinstance(pool, jax.Array) and not pool.is_deleted():
                 pool.delete()
         self._compiled, self._loader, self._free_masks = {}, None, {}
+        self.variants.clear()
         self._kv_pool = self._pending_pool = self.draft_pool = self.transfer = self.draft_transfer = None
         self.state = self.draft_state = self.row_state = self.last_token = self._write_rows = None
         self._host_pool = None
@@ -171,15 +178,15 @@ class ModelRunner:
                 self.channel.send_copy(pairs)
             self.kv_pool = self.transfer.copy(self.kv_pool, pairs)
 
-    def run_step(self, t: int, ints, floats, bitmask):
+    def run_step(self, t: int, ints, floats, bitmask, step=None):
         """Run the compiled step of bucket `t` (bitmask: a numpy structured-output mask, or a free mask kept on
-        the device); returns (result, prompt_lp)."""
+        the device; step: a variant of it, `StepVariants`); returns (result, prompt_lp)."""
         if self.closed:  # (before other processes are sent the step)
             raise RuntimeError("the engine was shut down: its steps and KV pool are freed")
         with self._call():
             if self._sends():
                 self.channel.send_step(t, ints, floats, bitmask if isinstance(bitmask, np.ndarray) else None)
-            step = self._ready_step(t)
+            step = step or self._ready_step(t)
             return self._run(self._jitted(t) if step is None else step, ints, floats, bitmask)
 
     def _get(self, tree):
@@ -200,9 +207,11 @@ class ModelRunner:
         return dataclasses.replace(inp, attn=dataclasses.replace(inp.attn, num_real_tokens=np.asarray(t, np.int32)),
                                    head_rows=np.asarray(s, np.int32))
 
-    def _jitted(self, t: int):
+    def _jitted(self, t: int, features: StepFeatures | None = None):
+        """Bucket t's jitted step: the `features` variant, by default the one warmup compiles."""
+        features = self.variants.warm.get(t, ON_DEVICE) if features is None else features
         return jax.jit(partial(device_step.device_step, self.graphdef, self.draft_graphdef, self.config.logprobs_mode,
-                               self.config.sampler_backend, self.spec_width, self._packers[t]),
+                               self.config.sampler_backend, self.spec_width, self._packers[t], features),
                        donate_argnums=device_step.DONATED)
 
     def _run(self, step, ints, floats, bitmask):
@@ -222,13 +231,14 @@ class ModelRunner:
             self.channel.check_same_engine()
         logger.info("Compiling the step for %d token buckets: %s", len(self.buckets), self.buckets)
         # Tracing holds the GIL; XLA's compile (or its load from the persistent cache) does not: buckets are
-        # traced one by one and compiled on a thread per core (2 cores, SmolLM2: compile 53.7 -> 50.0 s cold,
-        # 11.2 -> 7.9 s from the persistent cache; tracing was most of what remained, and a bucket found in the
-        # step cache is not traced).
+        # traced one by one and compiled on a thread per core (docs/benchmarks/design-choices.md); a bucket
+        # found in the step cache is not traced.
         cache = self._step_cache()
         v = self.config.model_config.vocab_size
         args = {}
         for t in self.buckets:
+            if self.variants.enabled:  # (the empty step's variant: the warm runs and timings use it)
+                self.variants.warm[t] = self.variants.features(self._template(t), constrained=False)
             ints, floats = self._packers[t].pack(self._template(t))
             args[t] = (self.state, self._pool_spec, self.row_state, self.last_token, ints, floats, self._free_mask(t),
                        self.draft_state, self.draft_pool)
@@ -305,45 +315,25 @@ class ModelRunner:
 
     def _run_empty(self, t: int, inp) -> float:
         """Seconds one run of bucket t's step takes on `inp`, an empty batch (`_template`): its writes go to the pad
-        slot and its tokens to no row, so it changes no request's state."""
+        slot and its tokens to no row, so it changes no request's state. (Its own variant, `StepVariants`.)"""
+        ints, floats = self._packers[t].pack(inp)
+        features, variant = self.variants.features(inp, constrained=False), None
+        if self.variants.enabled and not self.variants.is_warm(t, features):
+            variant = self.variants.get(t, features, (self.state, self.kv_pool, self.row_state, self.last_token, ints,
+                                                      floats, self._free_mask(t), self.draft_state, self.draft_pool))
         start = time.perf_counter()
-        result, _ = self.run_step(t, *self._packers[t].pack(inp), self._free_mask(t))
+        result, _ = self.run_step(t, ints, floats, self._free_mask(t), variant)
         jax.block_until_ready(result)
         return time.perf_counter() - start
 
     def warm_steps(self, timed_runs: int = 2) -> dict[int, float]:
-        """Run each bucket's step on an empty batch, so that no request pays a step's first run: on CPU that run
-        costs 2-10x a later one (SmolLM2 bf16: 512 tokens 454 vs 214 ms, 16 tokens 130 vs 20 ms), and a step
-        still loading from the step cache is waited for here. Then, every step loaded, `timed_runs` more of
-        each; returns each bucket's fastest of those (seconds; the first run's with timed_runs=0). The empty
-        batch draws no token, so its LM head and sampler run on the fewest rows (`sample_rows`)."""
-        if self.stub:
-            return {}
-        inputs = {t: self._template(t) for t in self.buckets}
-        first = {t: self._run_empty(t, inp) for t, inp in inputs.items()}
-        self.wait_for_steps()  # (a load still running beside a timed run would slow it)
-        return {t: min((self._run_empty(t, inp) for _ in range(timed_runs)), default=first[t])
-                for t, inp in inputs.items()}
+        """Run each bucket's step on an empty batch, so that no request pays a step's first run (`step_timing`);
+        seconds per bucket."""
+        return {} if self.stub else step_timing.warm_steps(self, timed_runs)
 
     def time_buckets(self, up_to: int) -> dict[int, tuple[float, float]]:
-        """Seconds a step of each token bucket up to `up_to` takes without and with drafts to verify (an empty
-        step, `_run_empty`: the shapes are fixed, so it costs nearly what a full one does)."""
-        if self.stub:
-            return {}
-        self.wait_for_steps()  # (a bucket's first run would otherwise time its load)
-        times = {}
-        for t in self.buckets:
-            template = self._template(t)
-            with_draft = dataclasses.replace(template, draft_tokens=template.draft_tokens.copy())
-            with_draft.draft_tokens[:1] = 0  # one (padding) draft: the step takes its verifying branch
-            pair = []
-            for inp in (template, with_draft):
-                first = self._run_empty(t, inp)  # (a first run pays for warming up: time a second unless it is long)
-                pair.append(self._run_empty(t, inp) if first < 0.3 else first)
-            times[t] = tuple(pair)
-            if t >= up_to:
-                break
-        return times
+        """Seconds a step of each token bucket up to `up_to` takes without and with drafts (`step_timing`)."""
+        return {} if self.stub else step_timing.time_buckets(self, up_to)
 
     # -- a step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepHandle | None:
@@ -393,7 +383,8 @@ class ModelRunner:
         ints, floats = self._packers[t].pack(inp)
         matchers = [(req.grammar_matcher, j) for j, (i, draws) in enumerate(zip(plan.order, plan.samples))
                     if draws and (req := requests[i]).grammar_matcher is not None]
-        return PreparedStep(out, plan, t, ints, floats, matchers)
+        features = self.variants.features(inp, constrained=bool(matchers)) if self.variants.enabled else None
+        return PreparedStep(out, plan, t, ints, floats, matchers, features)
 
     def _write_drafts(self, out: SchedulerOutput) -> np.ndarray:
         """Put each request's drafts in its batch row after its known tokens; returns drafts per request."""
@@ -416,8 +407,13 @@ class ModelRunner:
                               prep.constrained, t)
         if self._ready_step(t) is None and self.config.compile_guard:  # (before the guard: a load is no compile)
             raise RuntimeError(f"no compiled step for {t} tokens: warmup() was not run")
+        variant = None
+        if prep.features is not None and not self.variants.is_warm(t, prep.features):  # (compiled once, here)
+            variant = self.variants.get(t, prep.features, (self.state, self.kv_pool, self.row_state, self.last_token,
+                                                           prep.ints, prep.floats, bitmask, self.draft_state,
+                                                           self.draft_pool))
         with self.guard.watch() if self.config.compile_guard else contextlib.nullcontext():
-            result, prompt_lp = self.run_step(t, prep.ints, prep.floats, bitmask)
+            result, prompt_lp = self.run_step(t, prep.ints, prep.floats, bitmask, variant)
         return StepHandle(prep.out, prep.plan, result, prompt_lp, prep.constrained, t)
 
     def _free_mask(self, t: int) -> jax.Array | np.ndarray:

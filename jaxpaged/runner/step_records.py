@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpaged.core.sched.output import SchedulerOutput
+from jaxpaged.layers.step_features import StepFeatures
 from jaxpaged.runner.step_input import StepPlan
 
 
@@ -33,6 +34,7 @@ class PreparedStep:
     ints: np.ndarray
     floats: np.ndarray
     matchers: list  # (structured-output matcher, sequence row) of the rows that draw under a grammar
+    features: StepFeatures | None = None  # (branches decided on the host) the step's variant; None: the bucket's
 
     @property
     def constrained(self) -> bool:

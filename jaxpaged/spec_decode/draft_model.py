@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.layers.step_features import branch
 from jaxpaged.models.llama import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ def _single_token_metadata(pos: Int[Array, "S"], active, block_tables: Int[Array
 
 
 def propose_drafts(graphdef, state, kv_pool, token_ids: Int[Array, "T"], inp, final: Int[Array, "S"],
-                   num_drafts: Int[Array, "S"], count: Int[Array, "S"], active, k: int, vocab_size: int):
+                   num_drafts: Int[Array, "S"], count: Int[Array, "S"], active, k: int, vocab_size: int,
+                   propose: bool | None = None):
     """Run the draft model after the target's step (see the module docstring).
 
     token_ids [T]: the step's tokens; `inp`: its StepInput; final [S]: the token each sequence ended with;
@@ -104,4 +106,4 @@ def propose_drafts(graphdef, state, kv_pool, token_ids: Int[Array, "T"], inp, fi
     def none(pool):  # (a step that draws no token: all prompt chunks)
         return pool, jnp.zeros((final.shape[0], k), jnp.int32)
 
-    return jax.lax.cond(jnp.any(active), passes, none, kv_pool)
+    return branch(propose, lambda: jnp.any(active), passes, none, kv_pool)

@@ -16,23 +16,25 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.layers.logits_processors import apply_min_p
 from jaxpaged.layers.sampler import SamplingMetadata, categorical_from_uniform, first_argmax, top_k_top_p_mask
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures, branch
 
 _ACCEPT, _RESIDUAL = 1, 2  # fold_in tags: the acceptance uniform and the residual draw of one position
 
 
-def target_logits(x: Float[Array, "N V"], temperature, top_k, top_p, min_p) -> Float[Array, "N V"]:
+def target_logits(x: Float[Array, "N V"], temperature, top_k, top_p, min_p, features: StepFeatures = ON_DEVICE
+                  ) -> Float[Array, "N V"]:
     """Tempered logits with everything the sampler would never draw set to -inf (the sampler's filters)."""
     v = x.shape[-1]
     greedy = temperature <= 0
     scaled = x.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
-    scaled = jax.lax.cond(jnp.any(min_p > 0), apply_min_p, lambda y, _: y, scaled, min_p)
-    needs_filter = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
-    return jax.lax.cond(needs_filter, top_k_top_p_mask, lambda y, *_: y, scaled, top_k, top_p)
+    scaled = branch(features.min_p, lambda: jnp.any(min_p > 0), apply_min_p, lambda y, _: y, scaled, min_p)
+    return branch(features.filter, lambda: jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0)), top_k_top_p_mask,
+                  lambda y, *_: y, scaled, top_k, top_p)
 
 
 def verify_drafts(draft_logits: Float[Array, "D V"], draft_tokens: Int[Array, "D"], draft_seq: Int[Array, "D"],
-                  draft_pos: Int[Array, "D"], bonus: Int[Array, "S"], meta: SamplingMetadata, k: int
-                  ) -> tuple[Int[Array, "S K1"], Int[Array, "S"]]:
+                  draft_pos: Int[Array, "D"], bonus: Int[Array, "S"], meta: SamplingMetadata, k: int,
+                  features: StepFeatures = ON_DEVICE) -> tuple[Int[Array, "S K1"], Int[Array, "S"]]:
     """The tokens each sequence emits: its accepted drafts, then the residual draw at the first rejection, or the
     bonus token when all were accepted. Returns (emitted [S, k + 1], -1 past the end; count [S] >= 1).
 
@@ -42,7 +44,8 @@ def verify_drafts(draft_logits: Float[Array, "D V"], draft_tokens: Int[Array, "D
     s = bonus.shape[0]
     p = meta.processors
     seq = jnp.minimum(draft_seq, s - 1)
-    x = target_logits(draft_logits, meta.temperature[seq], meta.top_k[seq], meta.top_p[seq], p.min_p[seq])  # [D, V]
+    x = target_logits(draft_logits, meta.temperature[seq], meta.top_k[seq], meta.top_p[seq], p.min_p[seq],
+                      features)  # [D, V]
     valid = draft_tokens >= 0
     rows = jnp.where(valid, draft_seq, s)  # padding scatters out of range (dropped)
     on_grid = lambda values, fill: jnp.full((s, k), fill, values.dtype).at[rows, draft_pos].set(  # noqa: E731

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxpaged.layers.sampler import SamplerOutput, token_logprobs
+from jaxpaged.layers.step_features import ON_DEVICE, StepFeatures, branch
 from jaxpaged.spec_decode.rejection import verify_drafts
 
 
@@ -16,14 +16,14 @@ def drafts_per_seq(inp, s: int):
     return jnp.zeros(s, jnp.int32).at[rows].add(1, mode="drop")
 
 
-def verified(model, hidden, inp, k: int, out: SamplerOutput):
+def verified(model, hidden, inp, k: int, out: SamplerOutput, features: StepFeatures = ON_DEVICE):
     """The tokens each sequence emits after verifying its drafts (`verify_drafts`), and the logprob information
     of each: (emitted [S, K+1], count [S], logprob [S, K+1], rank [S, K+1], top ids and logprobs [S, K+1, M]).
     Only the D draft entries go through the LM head (D = min(T, S * K))."""
     s = out.token_ids.shape[0]
     draft_logits = model.compute_logits(hidden[inp.draft_indices])  # [D, V]
     emitted, count = verify_drafts(draft_logits, inp.draft_tokens, inp.draft_seq, inp.draft_pos, out.token_ids,
-                                   inp.sampling, k)
+                                   inp.sampling, k, features)
     rows = jnp.where(inp.draft_tokens >= 0, inp.draft_seq, s)  # padding entries scatter out of range
     num_drafts = drafts_per_seq(inp, s)
 
@@ -37,7 +37,8 @@ def verified(model, hidden, inp, k: int, out: SamplerOutput):
         return tuple(pick(grid(d), b) for d, b in zip(token_logprobs(draft_logits, tokens),
                                                       (out.logprob, out.rank, out.top_ids, out.top_logprobs)))
 
-    lps = jax.lax.cond(jnp.any(inp.sampling.num_logprobs >= 0), logprobs, lambda _: spread_logprobs(out, k), None)
+    lps = branch(features.logprobs, lambda: jnp.any(inp.sampling.num_logprobs >= 0), logprobs,
+                 lambda _: spread_logprobs(out, k), None)
     return (emitted, count, *lps)
 
 

@@ -8,6 +8,7 @@ from functools import partial
 import pytest
 
 from jaxpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxpaged.layers.step_features import ON_DEVICE
 from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
 from jaxpaged.runner.device_step import device_step as _step
 from jaxpaged.runner.model_runner import ModelRunner
@@ -31,7 +32,7 @@ def test_engine_step_lowers_for_cuda(arch, speculative, tiny_model_dir):
     t = runner.buckets[-1]
     ints, floats = runner._packers[t].pack(runner._template(t))
     step = partial(_step, runner.graphdef, None, config.logprobs_mode, config.sampler_backend, runner.spec_width,
-                   runner._packers[t])
+                   runner._packers[t], ON_DEVICE)
     text = lower_for_cuda(step, runner.state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats,
                           runner._free_mask(t), None, None)
     assert "ragged_paged_attention" in text and "top_k_top_p" in text
@@ -62,9 +63,48 @@ def test_tensor_parallel_step_lowers_for_cuda(tiny_model_dir):
     t = runner.buckets[-1]
     ints, floats = runner._packers[t].pack(runner._template(t))
     step = partial(_step, graphdef, None, config.logprobs_mode, config.sampler_backend, runner.spec_width,
-                   runner._packers[t])
+                   runner._packers[t], ON_DEVICE)
     arrays = (state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats, runner._free_mask(t))
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
     with jax.sharding.use_abstract_mesh(gpus):
         text = jax.jit(step).trace(*args, None, None).lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_paged_attention" in text and "manual_computation" in text and "top_k_top_p" in text
+
+
+def feature_sets():
+    """Every flag off, every flag on, and each flag on alone (the flags choose independent pieces of the step)."""
+    from jaxpaged.layers.step_features import FLAGS, StepFeatures
+
+    off = {f: False for f in FLAGS}
+    return [StepFeatures(**off), StepFeatures(**{f: True for f in FLAGS})] + [
+        StepFeatures(**{**off, f: True}) for f in FLAGS]
+
+
+def test_the_gpu_step_has_no_device_decided_branch(tiny_model_dir):
+    """With the branches decided on the host, the GPU step lowers with no conditional for any feature set (a
+    conditional on a GPU copies its predicate to the host and stalls the stream), and with layers unrolled, no
+    loop outside the kernels; the device-decided form has its conditionals (the check can fail)."""
+    path = tiny_model_dir("llama")
+    cfg = dataclasses.replace(model_config_from_hf(path, load_hf_config(path), "bfloat16"), activation_dtype="bfloat16")
+    model = build_model(cfg, per_layer=True, attention_backend="pallas")
+    config = EngineConfig(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=32, dtype="bfloat16"),
+                          scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                           max_model_len=256),
+                          attention_backend="pallas", sampler_backend="pallas", branch_on_host=True,
+                          speculative=SpeculativeConfig(num_speculative_tokens=2))
+    runner = ModelRunner(config, model)
+    assert runner.variants.enabled
+    t = runner.buckets[-1]
+    ints, floats = runner._packers[t].pack(runner._template(t))
+    args = (runner.state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats, runner._free_mask(t),
+            None, None)
+
+    def lowered(features):
+        return lower_for_cuda(partial(_step, runner.graphdef, None, config.logprobs_mode, config.sampler_backend,
+                                      runner.spec_width, runner._packers[t], features), *args)
+
+    assert "stablehlo.case" in lowered(ON_DEVICE)
+    for features in feature_sets():
+        text = lowered(features)
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text, features.describe()
+        assert "stablehlo.while" not in text, features.describe()
