@@ -10,7 +10,7 @@ FINE_BUCKETS_UP_TO = 1024  # the CPU budget's default: larger budgets (chunked p
 # budgets (tests, tiny configs) keep 16 and two compiles fewer
 SMALL_BUCKETS_FROM_BUDGET = 512
 # and from 256 to 512 they step by a quarter (256, 320, 384, 448, 512): a served prompt of a few hundred tokens
-# is prefilled in one step with the decodes, and each 64 tokens of padding there costs ~40 ms (float32 SmolLM2)
+# is prefilled in one step with the decodes, and padding there costs in proportion (docs/benchmarks/design-choices.md)
 QUARTER_BUCKETS = (256, 512)
 
 
@@ -19,10 +19,9 @@ def token_buckets(max_num_batched_tokens: int, *, fine: bool = False) -> list[in
     between each two up to 1024 and, with a budget of 512 or more, starts at 8 (8, 12, 16, ...) and adds quarter
     steps from 256 to 512.
 
-    On CPU a step's cost grows with its padded tokens at every size: decode batches live in the small buckets
-    (SmolLM2 on 2 cores: 40 rows padded to 64 cost 202 ms a step, to 48 161 ms; a served model often decodes
-    only a few requests: float32 8 rows 25 ms, 16 rows 33 ms), and a served prompt is prefilled in one step of
-    its length plus the decodes (a 300-token prompt pays 320 tokens, not 512).
+    On CPU a step's cost grows with its padded tokens at every size (docs/benchmarks/design-choices.md):
+    decode batches live in the small buckets (a served model often decodes only a few requests), and a served
+    prompt is prefilled in one step of its length plus the decodes (a 300-token prompt pays 320 tokens, not 512).
     """
     small = fine and max_num_batched_tokens >= SMALL_BUCKETS_FROM_BUDGET
     out, t = [], MIN_TOKEN_BUCKET // 2 if small else MIN_TOKEN_BUCKET

@@ -88,8 +88,8 @@ def kv_pool_spec(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
 
 
 def empty_kv_pool_soon(*args, sharding=None) -> Future:
-    """`empty_kv_pool(*args)` made on a thread: zeroing a large pool takes seconds on a CPU (4 GiB: ~2-4 s of
-    page faults), which can overlap loading weights and compiling."""
+    """`empty_kv_pool(*args)` made on a thread: zeroing a large pool takes seconds of page faults on a CPU,
+    which can overlap loading weights and compiling."""
     zeroing = ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
     try:
         return zeroing.submit(empty_kv_pool, *args, sharding=sharding)

@@ -71,8 +71,8 @@ def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Floa
     grouped (the default off CPUs): the T * top_k (token, expert) pairs sorted by expert, each expert's run
     multiplied by its weights in one grouped matmul (`lax.ragged_dot`), the results added back to their tokens:
     top_k MLPs a token. Else (CPUs) every expert on every token, batched over experts, weighted by the router's
-    (zero for the experts not chosen): XLA:CPU ran the grouped form 2.0-6.5x slower than that
-    (`python -m jaxpaged.bench.moe_paths`, 2026-12-05: 8-256 tokens, 8-32 experts, float32; README).
+    (zero for the experts not chosen): XLA:CPU runs the grouped form slower than that
+    (`python -m jaxpaged.bench.moe_paths`; docs/benchmarks/design-choices.md).
     Each expert's output (in the activations' dtype, as a matmul returns it) is weighted and summed in float32,
     rounded once; round_weights: the router weights rounded to the activations' dtype first (Qwen-MoE's router
     does; Mixtral's keeps float32). w_gate_up's last axis: `shards` groups of [gate part | up part], as

@@ -270,8 +270,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     [L, ...] arrays; True: a list of L dicts; None: `default_per_layer()` (per layer on CPU, stacked elsewhere;
     see the module docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
     (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: float32 per-layer weights
-    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`layers.dense.cpu_panels`, [N / panel,
-    K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them every step.
+    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`layers.dense.cpu_panels`,
+    [N / panel, K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them.
     """
     per_layer = resolve_per_layer(cfg, per_layer)
     expected = param_shapes(cfg)
@@ -305,8 +305,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
                     if not name.startswith("layers.")}
     if (cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32
             and weights["embed"].size * 4 <= TIED_HEAD_COPY_MAX_BYTES):
-        # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call (58% of
-        # the head's time at 8 rows; the head 1.1-2.3 ms faster at 8-16 rows). bf16's tied dot is faster as is.
+        # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call
+        # (docs/benchmarks/design-choices.md). bf16's tied dot is faster as is.
         params["lm_head"] = put_layer("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))
     if per_layer:
         params["layers"] = [{k: put_layer(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
