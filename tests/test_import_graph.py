@@ -189,3 +189,24 @@ def test_the_checks_see_a_circle():
     """(The checks above can fail: a made-up circle is found.)"""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert room("jaxpaged.runner.model_runner") == "jaxpaged.runner" and room("server.app") == "server"
+
+
+MAX_SOURCE_LINES = 500  # one job a file: past this a file is split by job (docs/design.md)
+
+
+def oversized_sources(root: Path = ROOT, limit: int = MAX_SOURCE_LINES) -> list[str]:
+    files = [f for pkg in PACKAGES for pat in ("*.py", "*.cc", "*.h") for f in (root / pkg).rglob(pat)]
+    return sorted(f"{f.relative_to(root)}: {n}" for f in files if (n := len(f.read_text().splitlines())) > limit)
+
+
+def test_no_source_file_over_500_lines():
+    """The Python, C++ and header sources of the package, the kernels and the server."""
+    assert oversized_sources() == []
+
+
+def test_the_size_check_sees_a_big_file(tmp_path):
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "jaxpaged" / "big.cc").write_text("x\n" * 501)
+    (tmp_path / "jaxpaged" / "ok.py").write_text("x\n" * 500)
+    assert oversized_sources(tmp_path) == ["jaxpaged/big.cc: 501"]
