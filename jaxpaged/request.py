@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a failure of this request alone (its grammar matcher raised): the others go on
 
     @property
     def finish_reason(self) -> str | None:
@@ -23,7 +24,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 for _status in RequestStatus:  # a plain attribute: read for every request on every step
     _status.finished = _status.value >= RequestStatus.FINISHED_STOPPED.value
 

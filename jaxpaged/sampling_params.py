@@ -9,6 +9,8 @@ import numpy as np
 
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63)  # vLLM's (a 64-bit signed integer)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # settings reach the device as float32: larger would be inf there
+GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 
 
 def row_seed(seed: int) -> int:
@@ -108,8 +110,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_int("n", minimum=1)
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
+                or not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k == -1:
@@ -181,12 +185,11 @@ class SamplingParams:
         k = max_model_len if k == -1 else k
         return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
 
-    def _check_float(self, name: str, *, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
+    def _check_float(self, name: str, *, lo: float, hi: float = FLOAT32_MAX, lo_open: bool = False) -> None:
         v = getattr(self, name)
         if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
                 or not (lo < v if lo_open else lo <= v) or v > hi):
-            raise ValueError(f"{name} must be a finite number in {'(' if lo_open else '['}{lo}, {hi}"
-                             f"{']' if math.isfinite(hi) else ')'}, got {v!r}")
+            raise ValueError(f"{name} must be a finite number in {'(' if lo_open else '['}{lo}, {hi:g}], got {v!r}")
         setattr(self, name, float(v))
 
     @property

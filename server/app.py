@@ -11,6 +11,7 @@ from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.kv_transfer import folder_id, serve_block
+from server.openapi import openapi_document
 from server.protocol import APIError, get_field, now
 from server.state import SSE, STATE, TENANT, ServerState
 from server.tenants import Tenant
@@ -18,8 +19,6 @@ from server.tenants import Tenant
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
-
-
 
 
 @web.middleware
@@ -88,6 +87,12 @@ async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     return web.Response(body=state.engine.engine.metrics.render(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from jaxpaged import __version__
+
+    return web.json_response(openapi_document(__version__))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -162,6 +167,7 @@ def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/kv_transfer", kv_transfer)
+    app.router.add_get("/openapi.json", openapi)
     if engine.engine.config.cache_config.kv_role in ("producer", "both"):
         app.router.add_get("/v1/kv_blocks/{hash}", serve_block)
     return app

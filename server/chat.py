@@ -10,6 +10,7 @@ from server.protocol import (
     Usage,
     cache_salt_from,
     chat_logprobs,
+    check_no_failed_choice,
     get_field,
     new_id,
     now,
@@ -29,7 +30,7 @@ def parse_messages(body: dict) -> list[dict]:
         raise APIError("'messages' must not be empty", param="messages")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise APIError(f"each message needs a 'role' in {sorted(ROLES)}", param="messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -161,6 +162,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
+    check_no_failed_choice(finish)
     choices = [{"index": j, "message": {"role": role, "content": echo + texts[j]},
                 "logprobs": (chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids)
                              if params.logprobs is not None else None),

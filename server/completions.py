@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+import jaxpaged.faults as faults
 from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
     Usage,
     cache_salt_from,
+    check_no_failed_choice,
     completion_logprobs,
     get_field,
     new_id,
@@ -46,6 +48,7 @@ def parse_prompts(body: dict, tokenizer) -> list[Prompt]:
         if isinstance(p, str):
             if not p:
                 raise APIError("'prompt' must not be empty", param="prompt")
+            faults.check("tokenizer")
             out.append(Prompt(tokenizer.encode(p, add_special_tokens=special), p))
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             out.append(Prompt(list(p), None))
@@ -171,6 +174,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
+    check_no_failed_choice(finish)
     choices = [{"index": c, "text": texts[c], "finish_reason": finish[c], "stop_reason": stop_reasons[c],
                 "logprobs": logprobs[c],
                 "prompt_logprobs": prompt_logprobs_json(prompt_lps[c // n]) if wants_prompt_logprobs else None}

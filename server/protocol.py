@@ -80,6 +80,14 @@ def reject_unsupported(body: dict) -> None:
         raise APIError("'best_of' is not supported (use n)", param="best_of")
 
 
+def check_no_failed_choice(finish_reasons: list) -> None:
+    """A choice the engine ended with an error (finish_reason "error": its grammar matcher failed) makes a
+    non-streamed answer a 500; a stream carries the reason in that choice's last chunk instead."""
+    if "error" in finish_reasons:
+        raise APIError("the request failed in the engine (the server log has the cause)", status=500,
+                       err_type="InternalServerError")
+
+
 def cache_salt_from(body: dict) -> str | None:
     """vLLM's `cache_salt`: a non-empty string giving the request a prefix cache of its own (shared only with
     requests that send the same salt), or None."""
@@ -135,7 +143,8 @@ def structured_outputs_from(body: dict) -> StructuredOutputsParams | None:
             extra = {"whitespace_pattern": body["guided_whitespace_pattern"]} if body.get(
                 "guided_whitespace_pattern") else {}
             params = StructuredOutputsParams(**{_GUIDED[name]: body[name]}, **extra)
-        compile_grammar(params)
+        if params is not None:  # (response_format "text" with other keys asks for nothing)
+            compile_grammar(params)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param=name) from None
     return params

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import socket
 import time
 
@@ -51,9 +52,10 @@ RESTORED_OUTPUTS = "restored_outputs.jsonl"
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
                 model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-                prompt_tokens_details: bool = False) -> None:
+                prompt_tokens_details: bool = False) -> int:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
-    timeout), then end the rest (saved in `snapshot_dir` when given)."""
+    timeout), then end the rest (saved in `snapshot_dir` when given). Returns the exit status: 1 when the engine
+    died (its requests have ended with the error), so a supervisor restarts the server."""
     app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants,  # (sets the KV shares)
                      kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details)
     if snapshot_dir is not None:
@@ -71,7 +73,13 @@ async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_stop_when_the_engine_dies(engine, stop))
     await stop.wait()
+    watch.cancel()
+    if engine.errored is not None:  # (its streams have ended with the error; a supervisor restarts the server)
+        logger.critical("The engine failed (%r): exiting with status 1", engine.errored)
+        await runner.cleanup()
+        return 1
     logger.info("Shutting down: no new connections; waiting up to %.0f s for %d running requests",
                 shutdown_timeout, engine.num_unfinished)
     await site.stop()  # stops listening;
@@ -85,6 +93,13 @@ async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = 
         logger.info("%d requests still running after %.0f s%s", unfinished, shutdown_timeout,
                     f"; saved {saved} unfinished requests to {snapshot_dir}" if snapshot_dir is not None else "")
     await runner.cleanup()
+    return 0
+
+
+async def _stop_when_the_engine_dies(engine: AsyncLLM, stop: asyncio.Event, every_s: float = 0.2) -> None:
+    while engine.errored is None:
+        await asyncio.sleep(every_s)
+    stop.set()
 
 
 def main(ns) -> None:
@@ -95,9 +110,11 @@ def main(ns) -> None:
     sock = bind_socket(ns.host, ns.port)
     try:
         engine = AsyncLLM.from_engine_args(args)
-        asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
+        status = asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
                           shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
                           kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u],
                           prompt_tokens_details=ns.enable_prompt_tokens_details))
     finally:
         sock.close()
+    if status:
+        sys.exit(status)

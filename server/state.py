@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM
 from server.protocol import APIError, get_field
 from server.tenants import Tenant, TenantLimits
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # (a JSON \uD800-\uDFFF escape)
+BODY_TIMEOUT_S = 30.0  # a request body not in by then is a 408: a slow sender cannot hold a handler forever
 
 
 class ServerState:
@@ -26,19 +31,33 @@ class ServerState:
         self.max_model_len = cfg.scheduler_config.max_model_len
         self.max_num_seqs = cfg.scheduler_config.max_num_seqs
         self.api_key = api_key
+        self.body_timeout_s = BODY_TIMEOUT_S
         self.limits = TenantLimits(tenants) if tenants else None
         engine.engine.set_kv_shares({t.name: (t.kv_min, t.kv_max) for t in tenants} if tenants else None)
 
     async def read_json(self, request: web.Request) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive within {self.body_timeout_s:g} s", status=408,
+                           err_type="RequestTimeoutError") from None
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise APIError("the request body is not valid UTF-8") from None
         except json.JSONDecodeError as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply") from None
+        except ValueError as e:  # (e.g. an integer of more digits than Python converts)
+            raise APIError(f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
+        if _SURROGATE_ESCAPE.search(raw):  # (a pair is one character once decoded; a lone half is no text)
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("the request body has a lone UTF-16 surrogate (\\uD800-\\uDFFF) in a string") from None
         return body
 
     def check_model(self, body: dict) -> None:

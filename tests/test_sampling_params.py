@@ -68,9 +68,9 @@ def test_every_64_bit_seed_is_a_32_bit_row_seed():
 
 
 def test_messages_say_what_is_wrong():
-    with pytest.raises(ValueError, match=r"repetition_penalty must be a finite number in \(0.0, inf\), got 0"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a finite number in \(0.0, 3.40282e\+38\], got 0"):
         SamplingParams(repetition_penalty=0)
-    with pytest.raises(ValueError, match=r"min_p must be a finite number in \[0.0, 1.0\], got 2"):
+    with pytest.raises(ValueError, match=r"min_p must be a finite number in \[0.0, 1\], got 2"):
         SamplingParams(min_p=2)
     with pytest.raises(ValueError, match="logit_bias must be a dict of token id -> bias, got list"):
         SamplingParams(logit_bias=[1])
@@ -80,3 +80,12 @@ def test_messages_say_what_is_wrong():
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
         SamplingParams(bad_words=[""])
+
+
+def test_settings_the_device_cannot_hold_are_refused_or_made_greedy():
+    """Sampling settings reach the device as float32: a penalty or temperature past float32's range would be
+    inf there (a 400, not a NaN row); a temperature too small to divide by samples greedily (vLLM's)."""
+    for field in ("repetition_penalty", "presence_penalty", "temperature"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: 1e300})
+    assert SamplingParams(temperature=1e-7).temperature == 0.0 and SamplingParams(temperature=1e-4).temperature

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import jaxpaged.faults as faults
 from jaxpaged.distributed.multihost import KEEPALIVE_SECONDS
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -315,6 +316,7 @@ class AsyncLLM:
         while (item := self._outbox.get()) is not None:
             outputs, stats, gauges = item
             try:
+                faults.check("output")
                 with self._lock:
                     self.engine.record_step(stats, gauges)
                     results, stopped = self.engine.output.process(outputs)

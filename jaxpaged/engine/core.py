@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 
+import jaxpaged.faults as faults
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.sched.output import SchedulerOutput
@@ -113,6 +114,7 @@ class EngineCore:
         A structured-output mask needs the request's last token: when both the step in flight and the next one
         draw under a grammar, the next step is scheduled and laid out while the device runs, then the step in
         flight's results feed the matchers, and only the masks and the dispatch wait for them."""
+        faults.check("step")
         stats, started = StepStats(), time.perf_counter()
         out = self._schedule(stats)  # what runs
         prepared = self.runner.prepare(out)  # laid out on the host
@@ -176,13 +178,22 @@ class EngineCore:
     def _advance_grammar(self, req: Request, token: int) -> None:
         """Feed a drawn token to the request's matcher. A complete output (the grammar allows nothing more)
         ends the request, as EOS would, unless it ignores EOS; so does a token the grammar refuses (only
-        possible when other settings, e.g. min_tokens or allowed_token_ids, forbid every token it allows)."""
+        possible when other settings, e.g. min_tokens or allowed_token_ids, forbid every token it allows). A
+        matcher that raises ends its own request with an error; the step's other requests go on."""
         m = req.grammar_matcher
-        ok = m.consume_token(token)
+        try:
+            faults.check("grammar")
+            ok = m.consume_token(token)
+            stopped = m.is_stopped()
+        except Exception:
+            logger.exception("request %s: its structured-output matcher failed; ending it with an error",
+                             req.request_id)
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            return
         if not ok:
             logger.warning("request %s: token %d is outside its structured-output grammar (%s); stopping it",
                            req.request_id, token, m.get_error())
-        if not ok or (m.is_stopped() and not req.sampling_params.ignore_eos):
+        if not ok or (stopped and not req.sampling_params.ignore_eos):
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _take_results(self, handle: StepHandle, stats: StepStats) -> list[EngineCoreOutput]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxpaged.faults as faults
 from jaxpaged.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, platform_is_gpu
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.distributed import multihost
@@ -252,6 +253,7 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        faults.check("tokenizer")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,

@@ -10,11 +10,13 @@ blocks of prefixes it computed before.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from collections import OrderedDict
 
@@ -22,11 +24,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import jaxpaged.faults as faults
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = "1"
 SUFFIX = ".kvblock"
 _tmp_ids = itertools.count()
+STALE_TMP_S = 600  # a temporary file this old was left by a writer that died (a write takes milliseconds)
 
 
 class DiskTier:
@@ -60,8 +65,14 @@ class DiskTier:
     def _scan(self) -> None:
         """Index the files a previous engine left, oldest first."""
         found = []
+        now = time.time()
         with os.scandir(self.dir) as it:
             for e in it:
+                if e.name.endswith(".tmp"):  # (a process killed mid-write left it; another may be writing it)
+                    with contextlib.suppress(OSError):
+                        if now - e.stat().st_mtime > STALE_TMP_S:
+                            os.remove(e.path)
+                    continue
                 if e.name.endswith(SUFFIX):
                     try:
                         st = e.stat()
@@ -194,6 +205,9 @@ class DiskTier:
                     return
                 if self.enabled:
                     self._write(*item)
+            except Exception as e:  # (not an OSError: still no tier is better than a writer thread gone)
+                logger.exception("KV disk tier writer failed")
+                self._disable(f"the writer failed: {type(e).__name__}: {e}")
             finally:
                 self._queue.task_done()
 
@@ -208,6 +222,7 @@ class DiskTier:
         tmp = f"{path}.{os.getpid()}.{next(_tmp_ids)}.tmp"
         try:
             save_file({"kv": raw, "tokens": np.asarray(tokens, np.int64)}, tmp, metadata=meta)
+            faults.check("disk_write")
             os.replace(tmp, path)
         except OSError as e:
             try:

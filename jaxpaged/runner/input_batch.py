@@ -70,7 +70,7 @@ class InputBatch:
         self.repetition_penalty[row], self.presence_penalty[row] = p.repetition_penalty, p.presence_penalty
         self.frequency_penalty[row], self.min_p[row] = p.frequency_penalty, p.min_p
         self.use_bias[row] = p.needs_bias_row
-        self.min_tokens[row] = p.min_tokens
+        self.min_tokens[row] = min(p.min_tokens, MAX_INT32)  # (past the context: EOS never before its end)
         self.held[row] = req.hold_output
         return row
 

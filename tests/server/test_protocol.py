@@ -268,3 +268,9 @@ def test_cache_salt_is_read(body, salt):
 def test_a_cache_salt_must_be_a_non_empty_string(salt):
     e = error_of(cache_salt_from, {"cache_salt": salt})
     assert e.status == 400 and e.param == "cache_salt" and "non-empty string" in e.message
+
+
+def test_response_format_text_with_extra_keys_asks_for_nothing():
+    """(A fuzzed body once made this a 500: "text" with a json_schema beside it.)"""
+    body = {"prompt": "x", "response_format": {"type": "text", "json_schema": {"name": "n"}}}
+    assert sampling_params_from(body, default_max_tokens=4).structured_outputs is None
