@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpaged.bench import host as host_bench
     from jaxpaged.bench import kernels as kernel_bench
     from jaxpaged.bench import serve as serve_bench
-    from jaxpaged.bench import throughput
+    from jaxpaged.bench import soak, throughput
     from jaxpaged.bench.dummy_model import SHAPES, write_dummy_model
     from jaxpaged.engine.arg_utils import EngineArgs
 
@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bench_sub.add_parser("serve", help="streaming load against an OpenAI-compatible server")
     serve_bench.add_args(sv)
     sv.set_defaults(func=_bench_serve)
+    sk = bench_sub.add_parser("soak", help="hours of mixed traffic against a server: fails on growth in memory, "
+                                           "descriptors, KV usage or latency")
+    soak.add_args(sk)
+    sk.set_defaults(func=soak.main)
     dm = bench_sub.add_parser("dummy-model", help="write a weightless Llama-shaped model folder (load_format dummy)")
     dm.add_argument("output", help="the folder to write")
     dm.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="(default: %(default)s)")
