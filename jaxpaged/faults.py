@@ -2,7 +2,7 @@
 server started with JAXPAGED_FAULTS) can prove what a failure there does to the requests around it.
 
 Points: "step" (EngineCore.step, before the device runs), "output" (AsyncLLM's output thread), "tokenizer"
-(tokenizing a prompt), "grammar" (a structured-output matcher taking a token), "disk_write" (the KV disk tier,
+(tokenizing a prompt), "detokenizer" (one sample's new token turned into text), "grammar" (a structured-output matcher taking a token), "disk_write" (the KV disk tier,
 after the temporary file is written and before it is renamed into place: an OSError, as a full disk raises).
 JAXPAGED_FAULTS="grammar:3,step:50" fails the 3rd grammar advance and the 50th step, once each."""
 
@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 
-POINTS = ("step", "output", "tokenizer", "grammar", "disk_write")
+POINTS = ("step", "output", "tokenizer", "detokenizer", "grammar", "disk_write")
 
 
 class InjectedFault(RuntimeError):

@@ -10,14 +10,18 @@ FINAL_ONLY sample without stop strings is not detokenized token by token: its te
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
+import jaxpaged.faults as faults
 from jaxpaged.engine.core_output import EngineCoreOutput
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_output
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.Enum):
@@ -206,8 +210,16 @@ class OutputProcessor:
                 if sample.logprobs is not None:
                     sample.logprobs.append(self._logprob_entry(token, rec.logprob))
             if sample.detokenizer is not None:
-                sample.detokenizer.add_tokens([token])
-                if sample.params.stop and self._check_stop_strings(sample):
+                try:
+                    faults.check("detokenizer")
+                    sample.detokenizer.add_tokens([token])
+                    if sample.params.stop and self._check_stop_strings(sample):
+                        stopped.append(rec.request_id)
+                except Exception:  # (this sample's text alone: it ends with an error, the others go on)
+                    logger.exception("request %s: detokenizing its output failed; ending it with an error",
+                                     rec.request_id)
+                    sample.final_text = sample.detokenizer.text
+                    sample.finish_reason, sample.stop_reason = "error", None
                     stopped.append(rec.request_id)
             if rec.finished and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = rec.finish_reason, rec.stop_reason

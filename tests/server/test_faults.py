@@ -88,6 +88,18 @@ def test_a_failing_tokenizer_is_a_500_for_that_request(server):
     assert status == 200 and settled(server)
 
 
+def test_a_failing_detokenizer_ends_only_its_sample(server):
+    """A sample whose new token cannot be turned into text ends with an error; the request beside it does not."""
+    expected = post_all(server.base_url, [plain(1)])[0][1]["choices"][0]["text"]
+    faults.arm("detokenizer")
+    (s1, stream), (s2, whole) = post_all(server.base_url, [{**plain(1), "stream": True}, plain(1)])
+    last = stream[-1]["choices"][0]["finish_reason"] if s1 == 200 else None
+    hit_the_stream = last == "error" and s2 == 200 and whole["choices"][0]["text"] == expected
+    hit_the_other = s2 == 500 and last == "length"
+    assert hit_the_stream or hit_the_other, (s1, stream[-1], s2, whole)
+    assert settled(server)
+
+
 @pytest.mark.parametrize("point", ["step", "output"])
 def test_an_engine_failure_ends_every_request_and_exits_1(tiny_model_dir, point):
     """The server's own serve(): the failure reaches every open request (a 500, or an error event in a
