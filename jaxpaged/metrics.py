@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+import jax
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -14,6 +15,24 @@ logger = logging.getLogger("jaxpaged.stats")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+_device_memory = [-1.0, 0.0]  # (read at, bytes)
+
+
+def device_memory_in_use(max_age_s: float = 1.0) -> float:
+    """Bytes the process holds on its JAX devices: the allocator's count where the backend keeps one (GPU, TPU),
+    else the bytes of the live arrays (XLA:CPU keeps no statistics); read at most once per `max_age_s`. Call it
+    on the thread that dispatches the steps: from another, the live arrays miss a pool a step has taken in and
+    not yet given back."""
+    if (now := time.monotonic()) - _device_memory[0] >= max_age_s:
+        stats = [d.memory_stats() for d in jax.local_devices()]
+        if all(s and "bytes_in_use" in s for s in stats):
+            _device_memory[1] = float(sum(s["bytes_in_use"] for s in stats))
+        else:
+            _device_memory[1] = float(sum(a.nbytes for a in jax.live_arrays()))
+        _device_memory[0] = now
+    return _device_memory[1]
 
 
 class BatchHistogram:
@@ -69,6 +88,7 @@ class EngineMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
                               registry=r)
+        self.device_memory = Gauge(p + "device_memory_used_bytes", "Bytes held on the JAX devices.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens computed.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter(p + "request_success", "Finished requests by reason.", ["finished_reason"],
@@ -126,7 +146,8 @@ class EngineMetrics:
         info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks), cache_dtype=dtype).set(1)
 
     def observe_step(self, *, prompt_tokens: int, generation_tokens: int, preemptions: int, running: int,
-                     waiting: int, kv_usage: float, prefix_queries_total: int, prefix_hits_total: int) -> None:
+                     waiting: int, kv_usage: float, prefix_queries_total: int, prefix_hits_total: int,
+                     device_memory: float | None = None) -> None:
         """Record one engine step (prefix-cache figures are the cache manager's running totals)."""
         t = self._totals
         self.prompt_tokens.inc(prompt_tokens)
@@ -140,6 +161,8 @@ class EngineMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+        if device_memory is not None:
+            self.device_memory.set(device_memory)
         self._running, self._waiting, self._kv_usage = running, waiting, kv_usage
 
     def observe_speculation(self, *, drafts: int, draft_tokens: int, accepted: int,

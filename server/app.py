@@ -44,8 +44,10 @@ async def errors_and_auth(request: web.Request, handler):
         else:
             e = APIError(e.reason, status=e.status)
         return web.json_response(e.body(), status=e.status)
-    except ConnectionResetError:
-        raise
+    except ConnectionResetError:  # the client hung up mid-answer: its request is aborted already (generate_all)
+        logger.debug("client went away during %s", request.path)
+        sse = request.get(SSE)
+        return sse.response if sse is not None else web.Response(status=499)  # (aiohttp drops it quietly)
     except EngineStopped as e:
         return await _error_response(request, APIError(str(e), status=503, err_type="ServiceUnavailableError"))
     except Exception as e:

@@ -87,13 +87,25 @@ def process_sample(pid: int | None) -> dict:
     return out
 
 
-async def kv_usage(session: aiohttp.ClientSession, base_url: str) -> float | None:
+_GAUGES = {"jaxpaged:kv_cache_usage_perc": "kv_usage", "jaxpaged:device_memory_used_bytes": "device_mb"}
+
+
+async def server_gauges(session: aiohttp.ClientSession, base_url: str) -> dict:
+    """KV usage (0-1) and device memory (MB) from the server's /metrics (None where unreadable)."""
+    out = dict.fromkeys(_GAUGES.values())
     with contextlib.suppress(aiohttp.ClientError, ValueError):
         async with session.get(base_url + "/metrics") as r:
             for line in (await r.text()).splitlines():
-                if line.startswith("jaxpaged:kv_cache_usage_perc"):
-                    return float(line.rpartition(" ")[2])
-    return None
+                name, _, value = line.partition(" ")
+                if name in _GAUGES:
+                    out[_GAUGES[name]] = float(value)
+    if out["device_mb"] is not None:
+        out["device_mb"] /= 2**20
+    return out
+
+
+async def kv_usage(session: aiohttp.ClientSession, base_url: str) -> float | None:
+    return (await server_gauges(session, base_url))["kv_usage"]
 
 
 async def drive(base_url: str, pid: int | None, duration: float, sample_every: float, concurrency: int,
@@ -123,7 +135,7 @@ async def drive(base_url: str, pid: int | None, duration: float, sample_every: f
         lat = np.array(window) if window else np.array([np.nan])
         window.clear()
         row = {"t_s": round(time.perf_counter() - start, 1), **process_sample(pid),
-               "kv_usage": await kv_usage(session, base_url), "requests": counts["requests"],
+               **await server_gauges(session, base_url), "requests": counts["requests"],
                "errors": counts["errors"], "p50_s": float(np.nanmedian(lat)), "p99_s": float(np.nanquantile(lat, 0.99))}
         samples.append(row)
         if not quiet:
@@ -160,8 +172,8 @@ def verdict(samples: list[dict], warmup_s: float, errors: int) -> dict[str, str 
     out: dict[str, str | None] = {"errors": f"{errors} requests failed" if errors else None}
     out["kv_after"] = (f"KV usage {last['kv_usage']} after the traffic"
                        if last["kv_usage"] not in (None, 0.0) else None)
-    for key, limit in (("rss_mb", None), ("fds", FD_GROWTH)):
-        pts = [(s["t_s"], s[key]) for s in after if s[key] is not None]
+    for key, limit in (("rss_mb", None), ("device_mb", None), ("fds", FD_GROWTH)):
+        pts = [(s["t_s"], s[key]) for s in after if s.get(key) is not None]
         if not pts:
             out[key] = None
             continue
@@ -179,7 +191,7 @@ def verdict(samples: list[dict], warmup_s: float, errors: int) -> dict[str, str 
 
 
 def svg_plot(samples: list[dict], path: str, warmup_s: float) -> None:
-    """RSS (MB) and KV usage (%) against time, as a small SVG (no plotting library needed for two lines)."""
+    """RSS and device memory (MB) and KV usage (%) against time, as a small SVG (no plotting library needed)."""
     w, h, pad = 640, 240, 40
     pts = [s for s in samples[:-1] if s["rss_mb"] is not None]
     if len(pts) < 2:
@@ -193,12 +205,19 @@ def svg_plot(samples: list[dict], path: str, warmup_s: float) -> None:
                       for t, v in values)
         return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{xy}"/>'
 
+    dev = [(s["t_s"], s["device_mb"]) for s in pts if s.get("device_mb") is not None]
+    device_line = []
+    if dev:
+        d_lo, d_hi = min(v for _, v in dev), max(v for _, v in dev)
+        device_line = [line(dev, d_lo, d_hi if d_hi > d_lo else d_lo + 1, "#2ca02c"),
+                       f'<text x="{pad + 330}" y="15" fill="#2ca02c">device {d_lo:.0f}-{d_hi:.0f} MB</text>']
     wx = pad + (w - 2 * pad) * min(warmup_s, t_max) / t_max
     parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
               f'font-size="11"><rect width="{w}" height="{h}" fill="white"/>'),
              f'<line x1="{wx:.1f}" y1="{pad}" x2="{wx:.1f}" y2="{h - pad}" stroke="#bbb" stroke-dasharray="4"/>',
              line([(s["t_s"], s["rss_mb"]) for s in pts], r_lo, r_hi, "#1f77b4"),
              line([(s["t_s"], 100 * (s["kv_usage"] or 0)) for s in pts], 0, 100, "#d62728"),
+             *device_line,
              f'<text x="{pad}" y="15" fill="#1f77b4">RSS {r_lo:.0f}-{r_hi:.0f} MB</text>',
              f'<text x="{pad + 180}" y="15" fill="#d62728">KV usage 0-100%</text>',
              f'<text x="{w - pad}" y="{h - 10}" text-anchor="end">{t_max:.0f} s (dashed: end of warm-up)</text>',

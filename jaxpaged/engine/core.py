@@ -23,6 +23,7 @@ from jaxpaged.core.sched.scheduler import Scheduler
 from jaxpaged.engine.core_output import EngineCoreOutput, EngineGauges, StepStats
 from jaxpaged.engine.step_clock import StepClock
 from jaxpaged.kv_offload import KVOffload
+from jaxpaged.metrics import device_memory_in_use
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner.model_runner import ModelRunner, StepHandle
 from jaxpaged.spec_decode.budget import DraftBudget
@@ -168,6 +169,7 @@ class EngineCore:
         return EngineGauges(num_running=sched.num_running, num_waiting=sched.num_waiting,
                             kv_blocks_used=kv.pool.num_blocks - 1 - kv.num_free_blocks, kv_usage=kv.usage(),
                             prefix_queries_total=kv.num_queried_tokens, prefix_hits_total=kv.num_hit_tokens,
+                            device_memory_bytes=device_memory_in_use(),
                             offload=self.offload.stats() if self.offload is not None else None)
 
     @property

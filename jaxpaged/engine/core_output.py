@@ -51,4 +51,5 @@ class EngineGauges:
     kv_usage: float = 0.0  # mean over the replicas' pools
     prefix_queries_total: int = 0
     prefix_hits_total: int = 0
+    device_memory_bytes: float | None = None  # the process's, on its JAX devices (`metrics.device_memory_in_use`)
     offload: dict | None = field(default=None)  # the host/disk tiers' counters (`KVOffload.stats()`), if any

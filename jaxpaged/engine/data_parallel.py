@@ -147,7 +147,7 @@ class DataParallelCore:
     def gauges(self) -> EngineGauges:
         """The replicas' gauges summed (KV usage: their mean; the tiers': the first replica's, which they share)."""
         each = [core.gauges() for core in self.replicas]
-        total = EngineGauges(offload=each[0].offload)
+        total = EngineGauges(offload=each[0].offload, device_memory_bytes=each[0].device_memory_bytes)
         for g in each:
             total.num_running += g.num_running
             total.num_waiting += g.num_waiting

@@ -465,7 +465,7 @@ class LLMEngine:
         m.observe_step(prompt_tokens=step.num_prompt_tokens, generation_tokens=step.num_generation_tokens,
                        preemptions=step.num_preemptions, running=gauges.num_running, waiting=gauges.num_waiting,
                        kv_usage=gauges.kv_usage, prefix_queries_total=gauges.prefix_queries_total,
-                       prefix_hits_total=gauges.prefix_hits_total)
+                       prefix_hits_total=gauges.prefix_hits_total, device_memory=gauges.device_memory_bytes)
         if gauges.offload is not None:
             m.observe_offload(gauges.offload)
         for t, n in (step.tenant_kv_blocks or {}).items():

@@ -4,8 +4,10 @@ leaves no KV block held, it samples what it says it samples, and its verdict fla
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
+import jax
 import pytest
 
 from jaxpaged.bench.soak import KINDS, drive, svg_plot, verdict
@@ -18,30 +20,36 @@ def server(tiny_model_dir):
         yield s
 
 
-def test_the_mix_runs_clean_and_is_sampled(server, tmp_path):
+def test_the_mix_runs_clean_and_is_sampled(server, tmp_path, caplog):
     run = asyncio.run(drive(server.base_url, os.getpid(), duration=8, sample_every=2, concurrency=4,
                             max_tokens=8, api_key=API_KEY, quiet=True))
     assert run["errors"] == 0, run["errors"]
     assert run["requests"] >= 2 * len(KINDS)  # (each kind drawn, most likely several times)
     samples = run["samples"]
     assert len(samples) >= 4 and all(s["rss_mb"] > 0 and s["fds"] > 0 for s in samples)
+    # (the KV pool at least: the tiny model's pool is its largest array)
+    pool_mb = sum(x.nbytes for x in jax.tree.leaves(server.engine.engine.runner.kv_pool)) / 2**20
+    assert all(s["device_mb"] >= pool_mb for s in samples), (pool_mb, [s["device_mb"] for s in samples])
     assert samples[-1]["kv_usage"] == 0.0  # (after the traffic: aborted and disconnected requests freed too)
     assert server.engine.num_unfinished == 0
+    # (clients that hang up mid-stream are routine: no traceback in the log for them)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert verdict(samples, warmup_s=2, errors=run["errors"]) == {
-        "errors": None, "kv_after": None, "rss_mb": None, "fds": None, "latency": None}
+        "errors": None, "kv_after": None, "rss_mb": None, "device_mb": None, "fds": None,
+        "latency": None}
     svg_plot(samples, str(tmp_path / "soak.svg"), 2)
     assert (tmp_path / "soak.svg").read_text().startswith("<svg")
 
 
 def flat(n=12, **over):
-    return [{"t_s": 60.0 * i, "rss_mb": 1000.0, "fds": 40, "kv_usage": 0.2, "p50_s": 0.1, **over} for i in range(n)]
+    return [{"t_s": 60.0 * i, "rss_mb": 1000.0, "device_mb": 500.0, "fds": 40, "kv_usage": 0.2, "p50_s": 0.1, **over} for i in range(n)]
 
 
 def test_the_verdict_sees_growth():
     assert not any(verdict(flat() + [{**flat()[0], "kv_usage": 0.0}], 120, 0).values())
-    growing = [{**s, "rss_mb": 1000.0 + 30 * i, "fds": 40 + 2 * i, "p50_s": 0.1 + 0.05 * i}
+    growing = [{**s, "rss_mb": 1000.0 + 30 * i, "device_mb": 500.0 + 10 * i, "fds": 40 + 2 * i, "p50_s": 0.1 + 0.05 * i}
                for i, s in enumerate(flat())]
     checks = verdict(growing + [{**growing[-1], "kv_usage": 0.1}], 120, 3)
-    assert all(checks[k] for k in ("errors", "kv_after", "rss_mb", "fds", "latency")), checks
+    assert all(checks[k] for k in ("errors", "kv_after", "rss_mb", "device_mb", "fds", "latency")), checks
     noisy = [{**s, "rss_mb": 1000.0 + (20 if i % 2 else -20)} for i, s in enumerate(flat())]
     assert verdict(noisy + [{**noisy[0], "kv_usage": 0.0}], 120, 0)["rss_mb"] is None
