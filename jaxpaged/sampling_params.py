@@ -27,6 +27,9 @@ class StructuredOutputsParams:
     text), regex, choice (the output is one of these strings), grammar (Lark, or GBNF/EBNF as llama.cpp
     writes it) or json_object (any JSON object). disable_any_whitespace: compact JSON (the default here
     already; kept for vLLM's API). whitespace_pattern: a regex for the whitespace JSON may use.
+    reasoning_end: a reasoning model's thinking comes first, free, up to and including this text (`</think>`),
+    then the constrained answer; with reasoning_start as well (`<think>`) the reply thinks only if it begins
+    with that text, else it begins inside the thinking.
     """
 
     json: str | dict | None = None
@@ -36,6 +39,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -47,7 +52,9 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got "
                              f"{type(self.json).__name__}")
-        for name in ("regex", "grammar", "whitespace_pattern"):
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("structured_outputs.reasoning_start needs reasoning_end")
+        for name in ("regex", "grammar", "whitespace_pattern", "reasoning_start", "reasoning_end"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")

@@ -35,10 +35,41 @@ def _llguidance():
     return llguidance
 
 
-def grammar_source(p: StructuredOutputsParams) -> str:
-    """The llguidance grammar text for `p` (not yet validated)."""
+def grammar_source(p: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> str:
+    """The llguidance grammar text for `p` (not yet validated), after a reasoning model's free thinking when
+    `p.reasoning_end` is set."""
+    answer = _answer_source(p)
+    if p.reasoning_end is None:
+        return answer
+    end, end_is_token = _literal(p.reasoning_end, tokenizer)
+    # the thinking: free text up to its end tag; a tag the tokenizer holds as one special token is that token
+    # (which no text matches), else the text, ending a lazy lexeme at its first occurrence
+    think = "think: /(?s:.*)/" if end_is_token else f"think[lazy]: /(?s:.*)/ {end}"
+    opened = f"think {end} WS?" if end_is_token else "think WS?"
+    if p.reasoning_start is not None:
+        opened = f"({_literal(p.reasoning_start, tokenizer)[0]} {opened})?"
+    lark = f"start: {opened} @answer\n{think}\nWS: /[ \\t\\r\\n]+/\n"
+    try:  # (a grammar list in JSON, or, from Lark, the Lark text itself)
+        inner = json.loads(answer)["grammars"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        inner = [{"lark_grammar": answer}]
+    inner = [{**g, "name": "answer"} if i == 0 else g for i, g in enumerate(inner)]
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *inner]})
+
+
+def _literal(text: str, tokenizer: LLTokenizer | None) -> tuple[str, bool]:
+    """`text` in Lark: the special token it is (`<[id]>`: Qwen3's and DeepSeek's </think> are added tokens, which
+    the grammar engine reads as special), or the quoted text; and whether it is a token."""
+    if tokenizer is not None:
+        ids = tokenizer.tokenize_str(text)
+        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>", True
+    return json.dumps(text), False
+
+
+def _answer_source(p: StructuredOutputsParams) -> str:
     llguidance = _llguidance()
-    LLMatcher, any_to_lark = llguidance.LLMatcher, llguidance.gbnf_to_lark.any_to_lark  # noqa: N806
+    LLMatcher, any_to_lark = llguidance.LLMatcher, llguidance.gbnf_to_lark.any_to_lark
 
     kind = p.kind
     if kind in ("json", "json_object"):
@@ -63,7 +94,7 @@ def grammar_source(p: StructuredOutputsParams) -> str:
 
 def compile_grammar(p: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> str:
     """Validated grammar text for `p`; ValueError naming `structured_outputs.<kind>` when it is unusable."""
-    source = grammar_source(p)
+    source = grammar_source(p, tokenizer)
     is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(source, tokenizer)
     if is_error:
         message = messages[0].strip().splitlines()[0] if messages else "invalid"

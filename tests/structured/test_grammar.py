@@ -83,3 +83,31 @@ def test_the_engine_imports_without_llguidance():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "needs llguidance only to build a grammar: structured_outputs needs llguidance" in out.stdout
+
+
+@pytest.mark.parametrize("think_tokens", [False, True])
+def test_a_constraint_after_the_thinking(think_tokens):
+    """reasoning_end: free text (which the answer's grammar would refuse) up to the end tag, then the answer; the
+    tag as a token of its own where the tokenizer has one (llguidance reads added tokens as special), else as
+    text. With reasoning_start, the reply may also skip the thinking; without, it must think first."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from tests.tiny_models import make_byte_tokenizer, make_think_tokenizer
+
+    tok = make_think_tokenizer() if think_tokens else make_byte_tokenizer()
+    lt = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+
+    def accepts(params, text):
+        m = LLMatcher(lt, compile_grammar(params, lt), log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    inside = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                           "required": ["a"]}, reasoning_end="</think>")
+    maybe = StructuredOutputsParams(choice=["yes", "no"], reasoning_start="<think>", reasoning_end="</think>")
+    assert accepts(inside, 'so {a} is "x"...</think>\n\n{"a":1}')
+    assert not accepts(inside, '{"a":1}') and not accepts(inside, 'x</think>{"a":"1"}')
+    assert accepts(maybe, "yes") and accepts(maybe, "<think>hm, no?</think> no")
+    assert not accepts(maybe, "hm</think>no")
+    with pytest.raises(ValueError, match="reasoning_start needs reasoning_end"):
+        StructuredOutputsParams(regex="a", reasoning_start="<think>")
