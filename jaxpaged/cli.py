@@ -58,6 +58,10 @@ def follow_process_zero(args) -> None:
     logger.info("Process %d: process 0 stopped; exiting", jax.process_index())
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # (server/tool_parsers: a test keeps them equal)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
 def _serve(ns: argparse.Namespace) -> None:
     from jaxpaged.engine.arg_utils import EngineArgs
     from server.serve import main as serve_main
@@ -138,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="usage objects carry prompt_tokens_details.cached_tokens: the prompt tokens found in the "
                      "prefix cache (vLLM's flag; default: off)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='tool_choice "auto": calls the model writes are parsed into tool_calls (needs '
+                     "--tool-call-parser; \"required\" and named functions work without it)")
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                     help="how the model writes calls: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, mistral, "
+                     "pythonic (Llama 3.2/4) (vLLM's names)")
+    srv.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                     help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 

@@ -13,7 +13,7 @@ from server.completions import create_completion
 from server.kv_transfer import folder_id, serve_block
 from server.openapi import openapi_document
 from server.protocol import APIError, get_field, now
-from server.state import SSE, STATE, TENANT, ServerState
+from server.state import SSE, STATE, TENANT, ChatOptions, ServerState
 from server.tenants import Tenant
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,9 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = state.engine.tokenizer
     if "messages" in body:
         from server.chat import parse_messages, render_chat
+        from server.tool_requests import tools_from
 
-        ids, _ = render_chat(tok, parse_messages(body), body)  # (as /v1/chat/completions renders them)
+        ids, _ = render_chat(tok, parse_messages(body), body, tools_from(body))  # (as chat completions do)
     else:
         ids = tok.encode(get_field(body, "prompt", (str,)),
                          add_special_tokens=get_field(body, "add_special_tokens", (bool,), True))
@@ -151,12 +152,13 @@ async def kv_transfer(request: web.Request) -> web.Response:
 
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-               prompt_tokens_details: bool = False) -> web.Application:
+               prompt_tokens_details: bool = False, chat: ChatOptions | None = None) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
     tenant's limits (server/tenants.py); `api_key` is then also accepted, without limits. prompt_tokens_details:
-    usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's --enable-prompt-tokens-details)."""
+    usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's --enable-prompt-tokens-details). chat: the
+    tool-calling and reasoning flags."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details)
+    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details, chat)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)

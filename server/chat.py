@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from aiohttp import web
 
+from server.chat_output import ChoiceParser
 from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
@@ -17,19 +21,24 @@ from server.protocol import (
     sampling_params_from,
     stream_usage,
 )
-from server.state import STATE, TENANT
+from server.reasoning import END, START, ReasoningParser, reply_start
+from server.state import STATE, TENANT, ServerState
 from server.streaming import SSEWriter, generate_all
+from server.tool_parsers import TOOL_PARSERS
+from server.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from server.tool_requests import ToolRequest, template_messages, tool_request_from
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """Validated messages with string content (text parts joined)."""
+    """Validated messages with string content (text parts joined); an assistant's `tool_calls` and a tool
+    message's `tool_call_id` kept for the template (an assistant with tool calls may have no content)."""
     messages = get_field(body, "messages", (list,))
     if not messages:
         raise APIError("'messages' must not be empty", param="messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise APIError(f"each message needs a 'role' in {sorted(ROLES)}", param="messages")
         content = m.get("content")
@@ -38,9 +47,40 @@ def parse_messages(body: dict) -> list[dict]:
                        for p in content):
                 raise APIError("only text content parts are supported", param="messages")
             content = "\n".join(p["text"] for p in content)  # (as vLLM joins text parts)
+        message = {"role": m["role"]}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            content = "" if content is None else content
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise APIError(f"messages[{i}]: a tool message needs a 'tool_call_id'", param="messages")
+            message["tool_call_id"] = m["tool_call_id"]
         if not isinstance(content, str):
             raise APIError("message 'content' must be a string or a list of text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        message["content"] = content
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool calls, checked: each with an id and a function whose arguments are JSON text."""
+    if not isinstance(calls, list):
+        raise APIError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise APIError(f"messages[{i}].tool_calls: each call needs a function with a name and arguments "
+                           "(a JSON string)", param="messages")
+        try:
+            json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise APIError(f"messages[{i}].tool_calls: the arguments of {fn['name']!r} are not JSON",
+                           param="messages") from None
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
 
 
@@ -49,13 +89,14 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_dic
                              "truncation", "max_length", "tokenizer_kwargs", "chat_template", "tools"}
 
 
-def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
+def render_chat(tok, messages: list[dict], body: dict, tools: list[dict] | None = None) -> tuple[list[int], str]:
     """The prompt's token ids and the reply's role, under vLLM's chat options: `add_generation_prompt` (default
     true; when false the reply continues in the last message's role), `continue_final_message` (the last
     message is left open and the reply extends it), `chat_template_kwargs` (extra template variables, e.g.
     Qwen3's `enable_thinking`), `documents` (for templates that take them) and `add_special_tokens` (the
     tokenizer's, e.g. BOS, on top of the template's; default false). A request's own `chat_template` is a 400,
-    as in vLLM unless its server is told to trust them (a template runs the client's code in the server)."""
+    as in vLLM unless its server is told to trust them (a template runs the client's code in the server).
+    `tools` reach the template as transformers passes them (`apply_chat_template(tools=...)`)."""
     if body.get("chat_template") is not None:
         raise APIError("a chat template passed with the request is not accepted (the server's is used)",
                        param="chat_template")
@@ -65,6 +106,9 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     kwargs = {"add_generation_prompt": get_field(body, "add_generation_prompt", (bool,), True),
               "continue_final_message": get_field(body, "continue_final_message", (bool,), False),
               **extra}  # (as vLLM: chat_template_kwargs may set those two as well)
+    if tools:
+        kwargs["tools"] = tools
+    messages = template_messages(messages)
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
         raise APIError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
                        param="chat_template_kwargs" if {"add_generation_prompt", "continue_final_message"} & set(extra)
@@ -86,15 +130,53 @@ def render_chat(tok, messages: list[dict], body: dict) -> tuple[list[int], str]:
     return list(prompt), role
 
 
+def choice_parsers(state: ServerState, tools: ToolRequest, prompt_text: str, n: int) -> list[ChoiceParser]:
+    """A parser per choice: the server's reasoning parser, then the calls tool_choice asks for."""
+    opts = state.chat
+
+    def tool_parser():
+        if tools.choice == "named":
+            return NamedCallParser(tools.named)
+        if tools.choice == "required":
+            return RequiredCallsParser()
+        return TOOL_PARSERS[opts.tool_call_parser]() if tools.choice == "auto" and tools.tools else None
+
+    start = reply_start(opts.reasoning_parser, prompt_text) if opts.reasoning_parser else None
+    return [ChoiceParser(reasoning=ReasoningParser(start) if start else None,
+                         tools=tool_parser(), parallel=tools.parallel) for _ in range(n)]
+
+
+def constrain(params, tools: ToolRequest, state: ServerState, prompt_text: str) -> None:
+    """The grammar of "required" and named calls (not beside another output constraint), and with a reasoning
+    parser, any constraint only after the thinking (the grammar lets the thinking run free until its end tag)."""
+    forced = tools.constraint()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise APIError("tool_choice 'required' or a named function constrains the reply already: give no "
+                           "other output constraint", param="tool_choice")
+        params.structured_outputs = forced
+    parser = state.chat.reasoning_parser
+    start = reply_start(parser, prompt_text) if parser is not None else "closed"
+    if params.structured_outputs is not None and start != "closed":
+        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end=END,
+                                                        reasoning_start=None if start == "inside" else START)
+    if tools.choice == "auto" and tools.tools and state.chat.tool_call_parser == "mistral":
+        params.skip_special_tokens = False  # ([TOOL_CALLS] is a special token)
+
+
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
     state.check_model(body)
     messages = parse_messages(body)
+    tools = tool_request_from(body, auto_enabled=state.chat.auto_tools)
     params = sampling_params_from(body, default_max_tokens=None, chat=True)
     state.check_n(params.n)
     cache_salt = cache_salt_from(body)
-    prompt, role = render_chat(state.engine.tokenizer, messages, body)
+    tok = state.engine.tokenizer
+    prompt, role = render_chat(tok, messages, body, tools.tools)
+    prompt_tail = tok.decode(prompt[-16:]) if state.chat.reasoning_parser else ""
+    constrain(params, tools, state, prompt_tail)
     # echo (vLLM's): the reply starts with the last message's content when that message has the reply's role
     echo = messages[-1]["content"] if get_field(body, "echo", (bool,), False) and messages[-1]["role"] == role else ""
     prompt = params.truncated(prompt, state.max_model_len)
@@ -108,7 +190,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     include_usage, continuous_usage = stream_usage(body)
     n, k = params.n, params.logprobs or 0
     as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
-    texts, finish, stop_reasons = [""] * n, [None] * n, [None] * n
+    parsers = choice_parsers(state, tools, prompt_tail, n)
+    finish, stop_reasons = [None] * n, [None] * n
     logprobs: list[list] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     completion_tokens = 0
@@ -126,6 +209,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             payload["usage"] = Usage(len(prompt), len(tokens[choice["index"]]), cached_tokens()).to_dict()
         return payload
 
+    def finish_reason(j: int) -> str | None:  # (calls made: "tool_calls", unless the reply was cut short)
+        return "tool_calls" if parsers[j].calls and finish[j] == "stop" else finish[j]
+
     async with generate_all(state.engine, [prompt], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
                             limits=state.limits, cache_salt=cache_salt) as outputs:
@@ -142,29 +228,27 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         async for _, out in outputs:
             if out.num_cached_tokens is not None and cached is None:
                 cached = out.num_cached_tokens
-            choices = []
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
-                texts[o.index] += o.text
                 tokens[o.index] += o.token_ids
                 finish[o.index], stop_reasons[o.index] = o.finish_reason, o.stop_reason
+                delta = parsers[o.index].feed(o.text, final=o.finish_reason is not None)
                 lp = None
                 if o.logprobs is not None:
                     logprobs[o.index] += o.logprobs
                     lp = chat_logprobs(o.logprobs, o.token_ids, k, as_ids=as_ids)
-                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-            if sse:
-                for choice in choices:
-                    await sse.send(choice_chunk(choice))
+                if sse and (delta or lp is not None or o.finish_reason is not None):
+                    await sse.send(choice_chunk({"index": o.index, "delta": delta, "logprobs": lp,
+                                                 "finish_reason": finish_reason(o.index),
+                                                 "stop_reason": o.stop_reason}))
     usage = Usage(len(prompt), completion_tokens, cached_tokens())
     if sse:
         if include_usage:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
     check_no_failed_choice(finish)
-    choices = [{"index": j, "message": {"role": role, "content": echo + texts[j]},
+    choices = [{"index": j, "message": parsers[j].message(role, prefix=echo),
                 "logprobs": (chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids)
                              if params.logprobs is not None else None),
-                "finish_reason": finish[j], "stop_reason": stop_reasons[j]} for j in range(n)]
+                "finish_reason": finish_reason(j), "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

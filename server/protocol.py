@@ -58,23 +58,26 @@ def requested_logprobs(body: dict, *, chat: bool) -> int | None:
 # Fields that would change what the user gets, which jaxpaged does not implement yet: rejected, never ignored.
 _UNSUPPORTED = {
     "suffix": "'suffix' is not supported",
-    "tools": "tool calling ('tools') is not supported",
-    "functions": "function calling ('functions') is not supported",
-    "function_call": "function calling ('function_call') is not supported",
+    "functions": "the deprecated 'functions' is not supported (use 'tools')",
+    "function_call": "the deprecated 'function_call' is not supported (use 'tool_choice')",
     "use_beam_search": "beam search is not supported by the server ('use_beam_search'; offline: LLM.beam_search)",
     "prompt_embeds": "'prompt_embeds' is not supported",
     "logits_processors": "custom 'logits_processors' are not supported",
 }
 
 
-def reject_unsupported(body: dict) -> None:
+def reject_unsupported(body: dict, *, chat: bool = False) -> None:
     """A 400 naming the first field that asks for something jaxpaged cannot do (an absent, null, false or
-    empty field asks for nothing; tool_choice 'none' and response_format 'text' are the defaults)."""
+    empty field asks for nothing; tool_choice 'none' and response_format 'text' are the defaults). Tools are
+    served by chat completions only (server/tool_requests.py reads them there)."""
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], {}, ""):
             raise APIError(message, param=name)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise APIError("tool calling ('tool_choice') is not supported", param="tool_choice")
+    if not chat:
+        if body.get("tools") not in (None, []):
+            raise APIError("'tools' are served by /v1/chat/completions", param="tools")
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise APIError("'tool_choice' is served by /v1/chat/completions", param="tool_choice")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise APIError("'best_of' is not supported (use n)", param="best_of")
@@ -152,7 +155,7 @@ def structured_outputs_from(body: dict) -> StructuredOutputsParams | None:
 
 def sampling_params_from(body: dict, *, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI body (with vLLM's extra fields); bad values raise APIError naming them."""
-    reject_unsupported(body)
+    reject_unsupported(body, chat=chat)
     max_tokens = get_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", (int,), default_max_tokens)

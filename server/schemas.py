@@ -63,8 +63,10 @@ SAMPLING_FIELDS = {
         "OpenAI's output constraint; json_schema needs json_schema.schema"),
     "structured_outputs": _described({"type": "object", "properties": {
         "json": {"anyOf": [JSON_OBJECT, STR]}, "regex": STR, "choice": {"type": "array", "items": STR},
-        "grammar": STR, "json_object": BOOL, "whitespace_pattern": STR}, "additionalProperties": False},
-        "vLLM's output constraint: exactly one of json, regex, choice, grammar, json_object"),
+        "grammar": STR, "json_object": BOOL, "whitespace_pattern": STR, "reasoning_start": STR,
+        "reasoning_end": STR}, "additionalProperties": False},
+        "vLLM's output constraint: exactly one of json, regex, choice, grammar, json_object (reasoning_end: free "
+        "text up to it first, as a reasoning model thinks)"),
     "guided_json": {"anyOf": [JSON_OBJECT, STR]},
     "guided_regex": STR,
     "guided_choice": {"type": "array", "items": STR},
@@ -100,14 +102,25 @@ COMPLETION_REQUEST = {
 _CONTENT = {"anyOf": [STR, {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                                           "properties": {"type": {"const": "text"},
                                                                          "text": STR}}}]}
-MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]}, "content": _CONTENT, "name": STR}}
+TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": STR, "type": {"const": "function"}, "function": {"type": "object", "required": ["name", "arguments"],
+                                                        "properties": {"name": STR, "arguments": STR}}}}
+MESSAGE = _described({"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]}, "content": nullable(_CONTENT),
+    "name": STR, "tool_calls": {"type": "array", "items": TOOL_CALL}, "tool_call_id": STR}},
+    "content is required but for an assistant message with tool_calls; a tool message needs tool_call_id")
+TOOL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+        "name": TOOL_NAME, "description": STR, "parameters": _described(JSON_OBJECT, "a JSON schema"),
+        "strict": BOOL}}}}
 CHAT_TEMPLATE_FIELDS = {
     "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
     "add_generation_prompt": _described(BOOL, "default true; false continues the last message's role"),
     "continue_final_message": BOOL,
     "chat_template_kwargs": _described(JSON_OBJECT, "extra template variables (e.g. enable_thinking)"),
     "documents": {"type": "array", "items": JSON_OBJECT},
+    "tools": _described({"type": "array", "items": TOOL}, "functions the model may call (the template sees them)"),
     "chat_template": _described(STR, "not accepted: the server's template is used (a template runs code)"),
     "add_special_tokens": _described(BOOL, "the tokenizer's special tokens on top of the template's; "
                                      "default false"),
@@ -119,7 +132,13 @@ CHAT_REQUEST = {
         "logprobs": BOOL,
         "top_logprobs": _described({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                                    "needs logprobs: true"),
-        "tool_choice": _described({"enum": ["none", "auto"]}, "tools are not served yet"),
+        "tool_choice": _described({"anyOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                            "properties": {"name": STR}}}}]},
+            "default auto with tools (needs --enable-auto-tool-choice); required and a named function are "
+            "constrained to valid calls"),
+        "parallel_tool_calls": _described(BOOL, "false: at most one call a reply"),
     },
 }
 
@@ -148,7 +167,7 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT,
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": INT}}}}
-FINISH = nullable({"enum": ["stop", "length", "abort", "error"]})
+FINISH = nullable({"enum": ["stop", "length", "abort", "error", "tool_calls"]})
 _HEAD = {"id": STR, "created": INT, "model": STR}
 
 COMPLETION_LOGPROBS = nullable({"type": "object", "properties": {
@@ -170,7 +189,11 @@ _TOP = {"type": "object", "required": ["token", "logprob"], "properties": {
 CHAT_LOGPROBS = nullable({"type": "object", "properties": {"content": nullable({"type": "array", "items": {
     **_TOP, "properties": {**_TOP["properties"], "top_logprobs": {"type": "array", "items": _TOP}}}})}})
 CHAT_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": STR, "content": nullable(STR)}}
+    "role": STR, "content": nullable(STR), "reasoning_content": nullable(STR),
+    "tool_calls": {"type": "array", "items": TOOL_CALL}}}
+TOOL_CALL_DELTA = {"type": "object", "required": ["index"], "properties": {
+    "index": INT, "id": STR, "type": {"const": "function"},
+    "function": {"type": "object", "properties": {"name": STR, "arguments": STR}}}}
 CHAT_CHOICE = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
     "index": INT, "message": CHAT_MESSAGE, "logprobs": CHAT_LOGPROBS, "finish_reason": FINISH,
     "stop_reason": nullable({"type": ["string", "integer"]})}}
@@ -180,7 +203,9 @@ CHAT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "mo
 CHAT_CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     **_HEAD, "object": {"const": "chat.completion.chunk"}, "usage": nullable(USAGE),
     "choices": {"type": "array", "items": {"type": "object", "required": ["index", "delta"], "properties": {
-        "index": INT, "delta": {"type": "object", "properties": {"role": STR, "content": nullable(STR)}},
+        "index": INT, "delta": {"type": "object", "properties": {
+            "role": STR, "content": nullable(STR), "reasoning_content": nullable(STR),
+            "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA}}},
         "logprobs": CHAT_LOGPROBS, "finish_reason": FINISH}}}}}
 MODEL_LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {

@@ -20,7 +20,7 @@ from aiohttp import web
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from server.app import create_app
-from server.state import STATE
+from server.state import STATE, ChatOptions
 from server.tenants import Tenant, load_tenants
 
 logger = logging.getLogger(__name__)
@@ -52,14 +52,17 @@ RESTORED_OUTPUTS = "restored_outputs.jsonl"
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
                 model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-                prompt_tokens_details: bool = False) -> int:
+                prompt_tokens_details: bool = False, chat: ChatOptions | None = None) -> int:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
     timeout), then end the rest (saved in `snapshot_dir` when given). Returns the exit status: 1 when the engine
     died (its requests have ended with the error), so a supervisor restarts the server."""
     app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants,  # (sets the KV shares)
-                     kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details)
+                     kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details, chat=chat)
     if snapshot_dir is not None:
         engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
+    if chat is not None and (chat.tool_call_parser or chat.reasoning_parser):
+        logger.info("Chat: tool_choice auto %s; tool-call parser %s; reasoning parser %s",
+                    "on" if chat.auto_tools else "off", chat.tool_call_parser, chat.reasoning_parser)
     if tenants:
         logger.info("Tenants: %s", ", ".join(f"{t.name} (priority {t.priority}, KV share {t.kv_min:.0%}-{t.kv_max:.0%})"
                                              for t in tenants))
@@ -107,13 +110,14 @@ def main(ns) -> None:
     args = EngineArgs.from_cli_args(ns)
     args.validate()
     tenants = load_tenants(ns.tenants) if ns.tenants else None
+    chat = ChatOptions(ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser)
     sock = bind_socket(ns.host, ns.port)
     try:
         engine = AsyncLLM.from_engine_args(args)
         status = asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
                           shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
                           kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u],
-                          prompt_tokens_details=ns.enable_prompt_tokens_details))
+                          prompt_tokens_details=ns.enable_prompt_tokens_details, chat=chat))
     finally:
         sock.close()
     if status:

@@ -6,15 +6,41 @@ import asyncio
 import json
 import os
 import re
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM
 from server.protocol import APIError, get_field
+from server.reasoning import REASONING_PARSERS
 from server.tenants import Tenant, TenantLimits
+from server.tool_parsers import TOOL_PARSERS
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # (a JSON \uD800-\uDFFF escape)
 BODY_TIMEOUT_S = 30.0  # a request body not in by then is a 408: a slow sender cannot hold a handler forever
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """vLLM's chat serving flags: --enable-auto-tool-choice with a --tool-call-parser (tool_choice "auto" parses
+    the calls a model writes; "required" and named functions need neither), --reasoning-parser."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {list(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+
+    @property
+    def auto_tools(self) -> bool:
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
 
 
 class ServerState:
@@ -22,8 +48,9 @@ class ServerState:
 
     def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None,
                  tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, chat: ChatOptions | None = None):
         self.engine = engine
+        self.chat = chat or ChatOptions()
         self.prompt_tokens_details = prompt_tokens_details  # usage carries prompt_tokens_details.cached_tokens
         self.kv_pull_from = [u.rstrip("/") for u in kv_pull_from or []]  # prefill instances trusted for KV blocks
         cfg = engine.engine.config

@@ -48,6 +48,29 @@ def make_byte_tokenizer():
 
 VOCAB_BYTES = len(BYTE_SPECIALS) + 256 + 5
 
+# Qwen3's chat template, cut down: tools in the system turn, an assistant's calls as <tool_call> lines (arguments
+# written with tojson: they reach the template as objects), tool results as <tool_response>, and a reply that
+# opens its thinking unless enable_thinking is false (then the prompt closes it, as Qwen3's does).
+THINK_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content or '' }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}")
+THINK_TOKENS = ["<think>", "</think>"]  # (added, not special, as in Qwen3's tokenizer)
+
+
+def make_think_tokenizer():
+    """The byte-level tokenizer with <think> and </think> as tokens of their own and THINK_TEMPLATE."""
+    from tokenizers import AddedToken
+
+    tok = make_byte_tokenizer()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tok.chat_template = THINK_TEMPLATE
+    return tok
+
 
 def tiny_config(arch: str):
     """A 2-layer, hidden-64, GQA config of the given architecture."""
@@ -76,6 +99,9 @@ def tiny_config(arch: str):
     if arch == "llama-bytes":  # the byte-level tokenizer's vocabulary; EOS is <|im_end|>
         return transformers.LlamaConfig(**{**common, "vocab_size": VOCAB_BYTES, "bos_token_id": 1, "eos_token_id": 2},
                                         tie_word_embeddings=False)
+    if arch == "llama-think":  # the byte-level vocabulary and <think>, </think> (make_think_tokenizer)
+        return transformers.LlamaConfig(**{**common, "vocab_size": VOCAB_BYTES + 2, "bos_token_id": 1,
+                                           "eos_token_id": 2}, tie_word_embeddings=False)
     if arch == "llama-mqa":  # one KV head for all query heads (tensor parallelism replicates it)
         return transformers.LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
     if arch == "llama-mha":  # as many KV heads as query heads, 8 of each (tensor parallelism up to 8)
@@ -153,7 +179,8 @@ def make_tiny_model(arch: str, path: str, seed: int = 0) -> str:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(path, safe_serialization=True)
-    (make_byte_tokenizer() if arch == "llama-bytes" else make_tokenizer()).save_pretrained(path)
+    tokenizers = {"llama-bytes": make_byte_tokenizer, "llama-think": make_think_tokenizer}
+    tokenizers.get(arch, make_tokenizer)().save_pretrained(path)
     return path
 
 

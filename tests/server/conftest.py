@@ -21,8 +21,9 @@ ENGINE_ARGS = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=
 
 
 class LiveServer:
-    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None, kv_pull_from=None):
+    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None, kv_pull_from=None, chat=None):
         self.engine = engine
+        self.chat = chat
         self.tenants = tenants
         self.kv_pull_from = kv_pull_from
         with socket.socket() as s:
@@ -38,7 +39,7 @@ class LiveServer:
     def _run(self, api_key):
         asyncio.set_event_loop(self.loop)
         app = create_app(self.engine, model_name="tiny", api_key=api_key, tenants=self.tenants,
-                         kv_pull_from=self.kv_pull_from)
+                         kv_pull_from=self.kv_pull_from, chat=self.chat)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
@@ -68,11 +69,12 @@ def post(server, path: str, body: dict, status: int = 200):
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, tenants=None, kv_pull_from=None, **engine_args):
+def serving(model_dir: str, tenants=None, kv_pull_from=None, chat=None, **engine_args):
     """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY; `tenants`;
-    the prefill instances it may pull KV blocks from), stopped on exit."""
+    the prefill instances it may pull KV blocks from; the tool and reasoning flags, a ChatOptions), stopped on
+    exit."""
     args = EngineArgs(model=model_dir, **{**ENGINE_ARGS, **engine_args})
-    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants, kv_pull_from)
+    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants, kv_pull_from, chat)
     try:
         yield server
     finally:

@@ -97,9 +97,7 @@ def test_bad_sampling_values_name_their_field(body, param):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"suffix": "x"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
-    ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"suffix": "x"}, "suffix"), ({"functions": [{}]}, "functions"), ({"function_call": "auto"}, "function_call"),
     ({"best_of": 3}, "best_of"), ({"best_of": 2, "n": 3}, "best_of"), ({"use_beam_search": True}, "use_beam_search"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
@@ -120,6 +118,47 @@ def test_unsupported_fields_are_rejected_by_name(body, param):
 ])
 def test_defaults_of_unsupported_fields_are_accepted(body):
     reject_unsupported(body)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+])
+def test_tools_are_for_chat_only(body, param):
+    e = error_of(reject_unsupported, body)
+    assert e.param == param and "chat/completions" in e.message
+    reject_unsupported(body, chat=True)  # (read by server/tool_requests.py there)
+
+
+@pytest.mark.parametrize("body,auto,choice", [
+    ({}, False, "none"), ({"tools": []}, False, "none"), ({"tools": [{"function": {"name": "f"}}]}, True, "auto"),
+    ({"tools": [{"function": {"name": "f"}}], "tool_choice": "none"}, False, "none"),
+    ({"tools": [{"function": {"name": "f"}}], "tool_choice": "required"}, False, "required"),
+    ({"tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     False, "named"),
+])
+def test_tool_choice_defaults_and_modes(body, auto, choice):
+    from server.tool_requests import tool_request_from
+
+    assert tool_request_from(body, auto_enabled=auto).choice == choice
+
+
+def test_auto_tool_choice_needs_the_servers_flags():
+    """(vLLM's message; also when tools come without a tool_choice, which then means auto.)"""
+    from server.tool_requests import AUTO_NEEDS_FLAGS, tool_request_from
+
+    for body in ({"tools": [{"function": {"name": "f"}}]}, {"tools": [{"function": {"name": "f"}}],
+                                                              "tool_choice": "auto"}):
+        e = error_of(tool_request_from, body, auto_enabled=False)
+        assert e.param == "tool_choice" and e.message == AUTO_NEEDS_FLAGS
+
+
+def test_the_cli_offers_every_parser():
+    from jaxpaged.cli import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from server.reasoning import REASONING_PARSERS as served_reasoning
+    from server.tool_parsers import TOOL_PARSERS
+
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS) and REASONING_PARSERS == served_reasoning
 
 
 @pytest.mark.parametrize("body,kind,value", [
