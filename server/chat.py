@@ -48,8 +48,9 @@ def parse_messages(body: dict) -> list[dict]:
                 raise APIError("only text content parts are supported", param="messages")
             content = "\n".join(p["text"] for p in content)  # (as vLLM joins text parts)
         message = {"role": m["role"]}
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if m["role"] == "assistant":  # (content may be null: a reply that was only calls)
+            if m.get("tool_calls"):
+                message["tool_calls"] = _tool_calls(m["tool_calls"], i)
             content = "" if content is None else content
         if m["role"] == "tool":
             if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
@@ -76,7 +77,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
                            "(a JSON string)", param="messages")
         try:
             json.loads(fn["arguments"])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (JSONDecodeError; digits or nesting past Python's limits)
             raise APIError(f"messages[{i}].tool_calls: the arguments of {fn['name']!r} are not JSON",
                            param="messages") from None
         out.append({"id": str(c.get("id", "")), "type": "function",
@@ -209,8 +210,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             payload["usage"] = Usage(len(prompt), len(tokens[choice["index"]]), cached_tokens()).to_dict()
         return payload
 
-    def finish_reason(j: int) -> str | None:  # (calls made: "tool_calls", unless the reply was cut short)
-        return "tool_calls" if parsers[j].calls and finish[j] == "stop" else finish[j]
+    def finish_reason(j: int, calls) -> str | None:
+        """"tool_calls" when the reply made calls and ended by itself (not cut short); a named function's reply
+        ends with "stop", as OpenAI and vLLM answer it."""
+        return "tool_calls" if calls and finish[j] == "stop" and tools.choice != "named" else finish[j]
 
     async with generate_all(state.engine, [prompt], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
@@ -239,7 +242,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     lp = chat_logprobs(o.logprobs, o.token_ids, k, as_ids=as_ids)
                 if sse and (delta or lp is not None or o.finish_reason is not None):
                     await sse.send(choice_chunk({"index": o.index, "delta": delta, "logprobs": lp,
-                                                 "finish_reason": finish_reason(o.index),
+                                                 "finish_reason": finish_reason(o.index, parsers[o.index].calls),
                                                  "stop_reason": o.stop_reason}))
     usage = Usage(len(prompt), completion_tokens, cached_tokens())
     if sse:
@@ -247,8 +250,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             await sse.send({**chunk([]), "usage": usage.to_dict()})
         return await sse.done()
     check_no_failed_choice(finish)
-    choices = [{"index": j, "message": parsers[j].message(role, prefix=echo),
+    messages_out = [parsers[j].message(role, prefix=echo) for j in range(n)]
+    choices = [{"index": j, "message": messages_out[j],
                 "logprobs": (chat_logprobs(logprobs[j], tokens[j], k, as_ids=as_ids)
                              if params.logprobs is not None else None),
-                "finish_reason": finish_reason(j), "stop_reason": stop_reasons[j]} for j in range(n)]
+                "finish_reason": finish_reason(j, messages_out[j].get("tool_calls")),
+                "stop_reason": stop_reasons[j]} for j in range(n)]
     return web.json_response({**chunk(choices, "chat.completion"), "usage": usage.to_dict()})

@@ -70,7 +70,8 @@ class ChoiceParser:
             entry = entries.setdefault(c.index, {"index": c.index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += c.arguments
             self.calls[c.index]["function"]["arguments"] += c.arguments
-        if final:  # a call written without arguments gets an empty object
+        if final and not self.tool_parser.forced:  # a call written without arguments gets an empty object (a
+            # forced call without them was cut short: it is not whole, and not made up)
             for i, call in enumerate(self.calls):
                 if not call["function"]["arguments"]:
                     call["function"]["arguments"] = "{}"
@@ -85,11 +86,14 @@ class ChoiceParser:
         keeps its whole calls."""
         calls = self.calls
         content = prefix + self.content
-        if calls and not all(_is_json(c["function"]["arguments"]) for c in calls):
-            if self.tool_parser.forced:
-                calls = [c for c in calls if _is_json(c["function"]["arguments"])]
-            else:
-                calls, content = [], prefix + self.answer
+        parser = self.tool_parser
+        if parser is not None and parser.forced:
+            calls = [c for c in calls if _is_json(c["function"]["arguments"])]
+        elif parser is not None and ((calls and not all(_is_json(c["function"]["arguments"]) for c in calls))
+                                     or (parser.in_calls and not calls)):
+            calls, content = [], prefix + self.answer
+        if calls and not content.strip():
+            content = ""
         out: dict = {"role": role, "content": content if content or not (calls or self.reasoning) else None}
         if self.reasoning_parser is not None:
             out["reasoning_content"] = self.reasoning or None
@@ -99,8 +103,8 @@ class ChoiceParser:
 
 
 def _is_json(text: str) -> bool:
+    """Whether `text` is a JSON object (what a call's arguments are)."""
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # (JSONDecodeError, digits past Python's limit, nesting past its stack)
         return False
-    return True

@@ -36,13 +36,28 @@ class ToolRequest:
             return StructuredOutputsParams(json=self.parameters(self.named))
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                                   "parameters": self.parameters(t["function"]["name"])},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        defs: dict = {}
+        calls = []
+        for t in self.tools:
+            params = dict(self.parameters(t["function"]["name"]))
+            defs.update(_own_defs(params, defs))  # (refs like #/$defs/X point at the root: the defs move there)
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
+
+
+def _own_defs(params: dict, seen: dict) -> dict:
+    """`params`' own `$defs` (taken out of it), checked against those of the tools before."""
+    own = params.pop("$defs", None) or {}
+    for name, d in own.items():
+        if name in seen and seen[name] != d:
+            raise APIError(f"two tools define $defs/{name} differently (tool_choice 'required' puts every tool's "
+                           "definitions in one schema)", param="tools")
+    return own
 
 
 def tool_request_from(body: dict, *, auto_enabled: bool) -> ToolRequest:
@@ -61,7 +76,10 @@ def tool_request_from(body: dict, *, auto_enabled: bool) -> ToolRequest:
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         if choice == "auto" and tools and not auto_enabled:
             raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
-        return ToolRequest(tools, choice, parallel=parallel)
+        request = ToolRequest(tools, choice, parallel=parallel)
+        if choice == "required":
+            request.constraint()  # (two tools' definitions that clash: a 400 now)
+        return request
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):

@@ -29,6 +29,7 @@ class ToolParser:
 
     id_style = "openai"  # how its calls' ids look: "call_<24 hex>", or mistral's 9 letters and digits
     forced = False  # reads a reply the grammar made calls (tool_choice "required" or a named function)
+    in_calls = False  # the reply has begun a call (a free reply that then yields none is content after all)
 
     def feed(self, text: str) -> ParsedDelta:
         raise NotImplementedError
@@ -104,6 +105,7 @@ class JsonCallReader:
         self._key = ""
         self._value: JsonValueReader | None = None
         self._sent_name, self._sent_arguments = False, 0
+        self._arguments_done = False
 
     def feed(self, text: str) -> int:
         """Reads up to the object's closing brace; returns the characters used."""
@@ -115,7 +117,7 @@ class JsonCallReader:
                 i += used
                 if self._value.done:
                     self._end_value()
-                elif self._key in self.ARGUMENT_KEYS:
+                elif self._key in self.ARGUMENT_KEYS and not self._arguments_done:
                     self.arguments = self._value.text
                 if used == 0 and not self._value.done:
                     self.failed = True
@@ -154,8 +156,8 @@ class JsonCallReader:
             except json.JSONDecodeError:
                 name = None
             self.name, self.failed = (name, False) if isinstance(name, str) and name else (None, True)
-        elif self._key in self.ARGUMENT_KEYS:
-            self.arguments = raw
+        elif self._key in self.ARGUMENT_KEYS and not self._arguments_done:  # (a repeated key: the first counts)
+            self.arguments, self._arguments_done = _unwrapped(raw), True
 
     def deltas(self, index: int) -> list[CallDelta]:
         """What is new of this call since the last time: nothing until its name is known (arguments written
@@ -165,17 +167,31 @@ class JsonCallReader:
         out = CallDelta(index)
         if not self._sent_name:
             out.name, self._sent_name = self.name, True
-        out.arguments, self._sent_arguments = self.arguments[self._sent_arguments:], len(self.arguments)
+        if not self.arguments.startswith('"') or self._arguments_done:  # (a JSON string waits to be unwrapped)
+            out.arguments, self._sent_arguments = self.arguments[self._sent_arguments:], len(self.arguments)
         return [out] if out.name is not None or out.arguments else []
 
 
-class JsonCallList:
-    """A JSON list of calls, `[{...}, {...}]`, read a piece at a time; its calls are numbered from `first`."""
+def _unwrapped(raw: str) -> str:
+    """Arguments some models write as a JSON string holding the object's text: that text; others as they are."""
+    if raw.startswith('"'):
+        try:
+            inner = json.loads(raw)
+            if isinstance(inner, str) and isinstance(json.loads(inner), dict):
+                return inner
+        except (ValueError, RecursionError):
+            pass
+    return raw
 
-    def __init__(self, first: int = 0) -> None:
+
+class JsonCallList:
+    """A JSON list of calls, `[{...}, {...}]`, read a piece at a time; its calls are numbered from `first`.
+    `opened`: the bracket is not written (calls and commas only)."""
+
+    def __init__(self, first: int = 0, opened: bool = False) -> None:
         self.first, self.count = first, 0  # calls named so far
         self.done = self.failed = False
-        self._started = False
+        self._started = opened
         self._call: JsonCallReader | None = None
 
     def feed(self, text: str) -> tuple[int, list[CallDelta]]:

@@ -24,7 +24,9 @@ class NamedCallParser(ToolParser):
         self._started = False
 
     def feed(self, text: str) -> ParsedDelta:
-        if not text and self._started:
+        if not self._started:
+            text = text.lstrip()  # (nothing is sent before the arguments begin: after a thinking, say)
+        if not text:
             return ParsedDelta()
         delta = CallDelta(0, name=None if self._started else self.name, arguments=text)
         self._started = True

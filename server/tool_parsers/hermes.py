@@ -1,10 +1,10 @@
 """Hermes-style calls (Qwen2.5, Qwen3, Hermes 2/3, many others): `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`, any number of them; the text before the first is the content (text between and after calls is
+</tool_call>` (or a JSON list of such objects inside one tag), any number of them; the text before the first is the content (text between and after calls is
 dropped, as vLLM's parser does)."""
 
 from __future__ import annotations
 
-from server.tool_parsers.base import JsonCallReader, ParsedDelta, ToolParser, held_back
+from server.tool_parsers.base import JsonCallList, JsonCallReader, ParsedDelta, ToolParser, held_back
 
 
 class HermesToolParser(ToolParser):
@@ -12,10 +12,10 @@ class HermesToolParser(ToolParser):
 
     def __init__(self) -> None:
         self._buf = ""
-        self._mode = "content"  # content -> call -> skip (to the closing tag) -> content ...
+        self._mode = "content"  # content -> opened -> call | list -> skip (to the closing tag) -> content ...
         self._call: JsonCallReader | None = None
+        self._list: JsonCallList | None = None
         self._calls = 0  # calls named so far
-        self._in_calls = False  # a call has begun: what follows is no longer content
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -31,14 +31,29 @@ class HermesToolParser(ToolParser):
                 k = self._buf.find(self.OPEN)
                 if k < 0:
                     keep = 0 if final else held_back(self._buf, self.OPEN)
-                    if not self._in_calls:
+                    if not self.in_calls:
                         out.content += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
-                if not self._in_calls:
+                if not self.in_calls:
                     out.content += self._buf[:k]
-                self._buf, self._mode, self._in_calls = self._buf[k + len(self.OPEN):], "call", True
-                self._call = JsonCallReader()
+                self._buf, self._mode, self.in_calls = self._buf[k + len(self.OPEN):], "opened", True
+            elif self._mode == "opened":  # an object, or a list of them
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return out
+                if self._buf[0] == "[":
+                    self._mode, self._list = "list", JsonCallList(self._calls)
+                else:
+                    self._mode, self._call = "call", JsonCallReader()
+            elif self._mode == "list":
+                used, calls = self._list.feed(self._buf)
+                self._buf = self._buf[used:]
+                out.calls += calls
+                if not (self._list.done or self._list.failed):
+                    return out
+                self._calls += self._list.count
+                self._mode = "skip"
             elif self._mode == "call":
                 used = self._call.feed(self._buf)
                 self._buf = self._buf[used:]

@@ -28,9 +28,9 @@ class Llama3JsonToolParser(ToolParser):
             if self._mode == "start":
                 head = self._buf.lstrip()
                 if head.startswith(self.TAG):
-                    self._buf, self._mode = head[len(self.TAG):], "between"
+                    self._buf, self._mode, self.in_calls = head[len(self.TAG):], "between", True
                 elif head.startswith("{"):
-                    self._buf, self._mode = head, "between"
+                    self._buf, self._mode, self.in_calls = head, "between", True
                 elif not final and self.TAG.startswith(head):  # (nothing yet, or the tag's beginning)
                     return out
                 else:
@@ -39,7 +39,9 @@ class Llama3JsonToolParser(ToolParser):
                 out.content, self._buf = self._buf, ""
                 return out
             elif self._mode == "between":  # before a call: whitespace and `;` separators
-                head = self._buf.lstrip().lstrip(";").lstrip()
+                head = self._buf.lstrip().lstrip(";")
+                while head != (head := head.lstrip().lstrip(";")):
+                    pass
                 if not head:
                     self._buf = ""
                     return out

@@ -1,5 +1,5 @@
 """Mistral calls: content, then `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}`; or, as the
-newer (v11) tokenizers write them, `[TOOL_CALLS]name[ARGS]{...}` once per call. Call ids are 9 letters and
+newer (v11) tokenizers write them, `[TOOL_CALLS]name[ARGS]{...}` once per call (`name[CALL_ID]id[ARGS]` in the newest). Call ids are 9 letters and
 digits, as Mistral's chat templates require. `[TOOL_CALLS]` is a special token: the server keeps special tokens
 in the text for this parser."""
 
@@ -26,7 +26,6 @@ class MistralToolParser(ToolParser):
         self._args: JsonValueReader | None = None
         self._args_sent = 0  # of the v11 arguments' text
         self._calls = 0
-        self._in_calls = False
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -43,21 +42,21 @@ class MistralToolParser(ToolParser):
                 k = self._buf.find(self.TAG)
                 if k < 0:
                     keep = 0 if final else held_back(self._buf, self.TAG)
-                    if not self._in_calls:
+                    if not self.in_calls:
                         out.content += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
-                if not self._in_calls:
+                if not self.in_calls:
                     out.content += self._buf[:k]
-                self._buf, self._mode, self._in_calls = self._buf[k + len(self.TAG):], "after_tag", True
+                self._buf, self._mode, self.in_calls = self._buf[k + len(self.TAG):], "after_tag", True
             elif mode == "after_tag":
                 head = self._buf.lstrip()
                 if not head:
                     self._buf = ""
                     return out
                 self._buf = head
-                self._mode = "list" if head[0] == "[" else "name"
-                self._list = JsonCallList(self._calls) if head[0] == "[" else None
+                self._mode = "list" if head[0] in "[{" else "name"  # (a lone object: a list without brackets)
+                self._list = JsonCallList(self._calls, opened=head[0] == "{") if head[0] in "[{" else None
             elif mode == "list":
                 used, calls = self._list.feed(self._buf)
                 self._buf = self._buf[used:]
@@ -72,7 +71,7 @@ class MistralToolParser(ToolParser):
                     if final:
                         self._buf = ""
                     return out
-                name = self._buf[:k].strip()
+                name = self._buf[:k].split("[CALL_ID]", 1)[0].strip()  # (newer tokenizers write an id there)
                 self._buf, self._mode, self._args = self._buf[k + len(self.ARGS):], "args", JsonValueReader()
                 self._args_sent = 0
                 out.calls.append(CallDelta(self._calls, name=name))

@@ -38,7 +38,7 @@ class PythonicToolParser(ToolParser):
             head = self._buf.lstrip()
             head = head[len(self.TAG):].lstrip() if head.startswith(self.TAG) else head
             if head.startswith("["):
-                self._buf, self._mode = head[1:], "list"
+                self._buf, self._mode, self.in_calls = head[1:], "list", True
             elif not final and (not head or self.TAG.startswith(head)):
                 return out
             else:

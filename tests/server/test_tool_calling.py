@@ -88,6 +88,7 @@ def test_a_named_function_and_parallel_tool_calls_false(server):
     r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=named, n=3,
                                   temperature=1.0, seed=5, max_tokens=100)
     for choice in r.choices:
+        assert choice.finish_reason == "stop"  # (a named function's reply: OpenAI's and vLLM's reason)
         assert [t.function.name for t in choice.message.tool_calls] == ["add"]
         check_calls([("add", choice.message.tool_calls[0].function.arguments)])
     s = streamed(c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=named,
@@ -96,6 +97,25 @@ def test_a_named_function_and_parallel_tool_calls_false(server):
     one = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", n=4,
                                     parallel_tool_calls=False, temperature=1.0, seed=9, max_tokens=300)
     assert all(len(choice.message.tool_calls) == 1 for choice in one.choices)
+
+
+def test_required_with_tools_whose_schemas_have_definitions(server):
+    """($defs, as pydantic writes nested models: the required list's schema carries every tool's definitions.)"""
+    place = {"$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                                 "required": ["city"], "additionalProperties": False}},
+             "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+             "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "visit", "parameters": place}}, TOOLS[1]]
+    r = client(server).chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice="required",
+                                               n=3, temperature=1.0, seed=4, max_tokens=300)
+    for choice in r.choices:
+        for t in choice.message.tool_calls:
+            jsonschema.validate(json.loads(t.function.arguments), place if t.function.name == "visit" else ADD)
+    clash = [tools[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "$defs": {"Place": {"type": "string"}}, "type": "object"}}}]
+    err = post(server, "/v1/chat/completions", {"messages": USER, "tools": clash, "tool_choice": "required"},
+               status=400)["error"]
+    assert err["param"] == "tools" and "Place" in err["message"]
 
 
 def test_auto_parses_the_calls_the_model_writes(server):

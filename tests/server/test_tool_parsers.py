@@ -8,6 +8,7 @@ import json
 import pytest
 
 from server.reasoning import ReasoningParser, reply_start
+from server.chat_output import ChoiceParser
 from server.tool_parsers import TOOL_PARSERS
 from server.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
@@ -58,6 +59,16 @@ CASES = [
      [("get_weather", WEATHER), ("now", "{}"), ("add", '{"xs": [1, 2], "opts": {"a": [1, 2]}}')]),
     ("pythonic", '<|python_start|>[f(s="a, b) ]")]<|python_end|>', "", [("f", '{"s": "a, b) ]"}')]),
     ("pythonic", "It is [sunny] today.", "It is [sunny] today.", []),
+    # (forms a review found: a list inside one tag, separators repeated, arguments as a JSON string, a repeated
+    # key, mistral's lone object and its newest call ids)
+    ("hermes", '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]</tool_call>', "",
+     [("a", "{}"), ("b", '{"x": 1}')]),
+    ("llama3_json", '{"name":"a","parameters":{}}; ; {"name":"b","parameters":{}}', "", [("a", "{}"), ("b", "{}")]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>', "",
+     [("f", '{"a": 1}')]),
+    ("mistral", '[TOOL_CALLS] {"name": "f", "arguments": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ("mistral", '[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}', "", [("f", '{"a": 1}')]),
 ]
 
 
@@ -109,3 +120,36 @@ def test_where_a_reply_starts():
         == "inside"
     assert reply_start("qwen3", "assistant\n") == "maybe" and reply_start("deepseek_r1", "Assistant:") == "inside"
     assert reply_start("qwen3", "<think>\n\n</think>\n\n") == reply_start("deepseek_r1", "</think>") == "closed"
+
+
+def whole(parser: ChoiceParser, text: str) -> dict:
+    parser.feed(text, final=True)
+    return parser.message("assistant")
+
+
+@pytest.mark.parametrize("name,text", [
+    ("llama3_json", '{"answer": 42}'), ("pythonic", "[1] First, note this."),
+    ("hermes", "Sure <tool_call>not json</tool_call> after"), ("mistral", "[TOOL_CALLS] Sorry, no."),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1]}</tool_call>'),
+])
+def test_a_free_reply_that_yields_no_whole_call_is_content(name, text):
+    """(As vLLM answers it: nothing of the reply is lost.)"""
+    m = whole(ChoiceParser(tools=TOOL_PARSERS[name]()), text)
+    assert m["content"] == text and "tool_calls" not in m
+
+
+def test_odd_replies_never_raise():
+    deep = '<tool_call>{"name":"f","arguments":{"a":' + "[" * 5000
+    assert "tool_calls" not in whole(ChoiceParser(tools=TOOL_PARSERS["hermes"]()), deep)
+    big = '<tool_call>{"name":"f","arguments":{"a":' + "1" * 5000 + "}}</tool_call>"
+    assert "tool_calls" not in whole(ChoiceParser(tools=TOOL_PARSERS["hermes"]()), big)
+
+
+def test_a_forced_call_cut_short_is_dropped_not_made_up():
+    m = whole(ChoiceParser(tools=RequiredCallsParser()), '[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":')
+    assert [c["function"]["name"] for c in m["tool_calls"]] == ["a"]
+    named = ChoiceParser(reasoning=ReasoningParser("inside"), tools=NamedCallParser("f"))
+    assert named.feed("thinking about it") == {"reasoning_content": "thinking about it"}  # (no call opened yet)
+    assert named.feed("</think>\n\n")  == {}
+    delta = named.feed('{"a": 1}', final=True)
+    assert delta["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
