@@ -4,7 +4,13 @@ dropped, as vLLM's parser does)."""
 
 from __future__ import annotations
 
-from server.tool_parsers.base import JsonCallList, JsonCallReader, ParsedDelta, ToolParser, held_back
+from server.tool_parsers.base import (
+    JsonCallList,
+    JsonCallReader,
+    ParsedDelta,
+    ToolParser,
+    held_back,
+)
 
 
 class HermesToolParser(ToolParser):

@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 
+import aiohttp
 import numpy as np
 import pytest
 import requests
@@ -219,6 +220,49 @@ def test_a_bad_block_from_the_source_is_refused_and_computed(cluster, remote, ca
     finally:
         trusted.remove(fake.base_url)
         fake.stop()
+
+
+def dying_instance(source: str) -> AppThread:
+    """A prefill instance that dies in the middle of every block it sends: it announces the whole block (the real
+    one, fetched from `source`), sends half, and drops the connection, as a killed process's socket does."""
+    async def block(request):
+        async with aiohttp.ClientSession(headers=HEADERS) as s:
+            async with s.get(f"{source}/v1/kv_blocks/{request.match_info['hash']}") as r:
+                data = await r.read()
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        await resp.write(data[: len(data) // 2])
+        request.transport.abort()  # (no FIN after a whole body: a reset mid-body)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/kv_blocks/{hash}", block)
+    return AppThread(app)
+
+
+def test_a_prefill_peer_dying_mid_transfer_leaves_the_request_computed(cluster, remote, caplog):
+    """The pull fails for each block (logged), nothing half-received is adopted, the decode instance computes the
+    prompt itself and answers as one server does, frees every block, and serves the next request."""
+    plain, producer = cluster[0], cluster[1]
+    server, folder, _, _ = remote
+    body = {**COMPLETION, "prompt": np.random.default_rng(12).integers(3, 250, size=70).tolist()}
+    assert texts(post(producer.base_url, "completions", {**body, "max_tokens": 1}))  # (the peer has the blocks)
+    dying = dying_instance(producer.base_url)
+    trusted = server.runner.app[STATE].kv_pull_from
+    trusted.append(dying.base_url)
+    try:
+        files = len(list(folder.rglob("*.kvblock")))
+        with caplog.at_level(logging.WARNING):
+            resp = post(server.base_url, "completions", {**body, "kv_transfer_params": {"source": dying.base_url}})
+        assert texts(resp) == texts(post(plain.base_url, "completions", body))
+        assert caplog.text.count("KV pull: block") == (len(body["prompt"]) - 1) // 16 == 4
+        assert len(list(folder.rglob("*.kvblock"))) == files and not list(folder.rglob("*.tmp"))
+        assert free_blocks_all(server)
+        assert texts(post(server.base_url, "completions", COMPLETION))  # (and it keeps serving)
+    finally:
+        trusted.remove(dying.base_url)
+        dying.stop()
 
 
 def test_kv_transfer_params_only_from_trusted_sources_and_only_on_consumers(cluster, remote):

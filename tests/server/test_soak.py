@@ -39,6 +39,16 @@ def test_the_mix_runs_clean_and_is_sampled(server, tmp_path, caplog):
         "latency": None}
     svg_plot(samples, str(tmp_path / "soak.svg"), 2)
     assert (tmp_path / "soak.svg").read_text().startswith("<svg")
+    assert 0 < run["latency_s"]["p50"] <= run["latency_s"]["p99"] and run["ttft_s"]["p50"] <= run["latency_s"]["p99"]
+
+
+def test_streams_only_at_more_clients_than_sequence_slots(server):
+    """(The saturation load's shape, briefly: every stream ends with [DONE], none is lost.)"""
+    slots = server.engine.engine.config.scheduler_config.max_num_seqs
+    run = asyncio.run(drive(server.base_url, os.getpid(), duration=4, sample_every=2, concurrency=2 * slots,
+                            max_tokens=4, api_key=API_KEY, quiet=True, kinds=("stream",)))
+    assert run["errors"] == 0 and run["requests"] >= 2 * slots and run["ttft_s"]["p99"] > 0
+    assert server.engine.num_unfinished == 0
 
 
 def flat(n=12, **over):

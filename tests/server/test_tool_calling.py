@@ -150,7 +150,10 @@ def test_an_agent_loop_runs_a_function_and_answers(server):
                                   tool_choice={"type": "function", "function": {"name": "add"}}, temperature=1.0,
                                   seed=2, max_tokens=100)
     call = r.choices[0].message.tool_calls[0]
-    result = (lambda a, b: a + b)(**json.loads(call.function.arguments))
+    def add(a: int, b: int) -> int:  # (the function the agent runs)
+        return a + b
+
+    result = add(**json.loads(call.function.arguments))
     messages += [r.choices[0].message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
     final = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",

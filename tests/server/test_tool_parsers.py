@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from server.reasoning import ReasoningParser, reply_start
 from server.chat_output import ChoiceParser
+from server.reasoning import ReasoningParser, reply_start
 from server.tool_parsers import TOOL_PARSERS
 from server.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
@@ -40,18 +40,18 @@ WEATHER = '{"city": "Paris", "unit": "c"}'
 CASES = [
     ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
      "", [("get_weather", WEATHER)]),
-    ("hermes", f'Let me check.<tool_call>{{"arguments": {WEATHER}, "name": "get_weather"}}</tool_call>\n'
-               '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    ("hermes", (f'Let me check.<tool_call>{{"arguments": {WEATHER}, "name": "get_weather"}}</tool_call>\n'
+               '<tool_call>{"name": "now", "arguments": {}}</tool_call>'),
      "Let me check.", [("get_weather", WEATHER), ("now", "{}")]),
     ("hermes", 'No call here, just <b>text</b> and a {"brace"}.', 'No call here, just <b>text</b> and a {"brace"}.', []),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"s": "a \\"}\\" </tool_call> b", "n": [1, {"x": null}]}}'
-               '</tool_call>', "", [("f", '{"s": "a \\"}\\" </tool_call> b", "n": [1, {"x": null}]}')]),
+    ("hermes", ('<tool_call>{"name": "f", "arguments": {"s": "a \\"}\\" </tool_call> b", "n": [1, {"x": null}]}}'
+               '</tool_call>'), "", [("f", '{"s": "a \\"}\\" </tool_call> b", "n": [1, {"x": null}]}')]),
     ("llama3_json", f'{{"name": "get_weather", "parameters": {WEATHER}}}', "", [("get_weather", WEATHER)]),
     ("llama3_json", f'<|python_tag|>{{"name": "a", "parameters": {{}}}}; {{"name": "b", "parameters": {WEATHER}}}',
      "", [("a", "{}"), ("b", WEATHER)]),
     ("llama3_json", "The weather is fine.", "The weather is fine.", []),
-    ("mistral", f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "now", "arguments": '
-                '{"tz": "UTC"}}]', "", [("get_weather", WEATHER), ("now", '{"tz": "UTC"}')]),
+    ("mistral", (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "now", "arguments": '
+                '{"tz": "UTC"}}]'), "", [("get_weather", WEATHER), ("now", '{"tz": "UTC"}')]),
     ("mistral", f'Sure.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]now[ARGS]{{}}',
      "Sure.", [("get_weather", WEATHER), ("now", "{}")]),
     ("mistral", "[TOOL no calls]", "[TOOL no calls]", []),
