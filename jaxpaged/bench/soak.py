@@ -50,8 +50,9 @@ def body_of(kind: str, rng: random.Random, max_tokens: int) -> dict:
     return body
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, kind: str, body: dict) -> tuple[bool, float, str]:
-    """(kept the contract, seconds, what went wrong)."""
+async def one_request(session: aiohttp.ClientSession, url: str, kind: str,
+                      body: dict) -> tuple[bool, float, str, float | None]:
+    """(kept the contract, seconds, what went wrong, seconds to the first event of a stream)."""
     start = time.perf_counter()
     try:
         if kind == "disconnect":  # (gives up before the answer: the server aborts it)
@@ -59,19 +60,24 @@ async def one_request(session: aiohttp.ClientSession, url: str, kind: str, body:
                 async with asyncio.timeout(0.02):
                     async with session.post(url, json=body) as r:
                         await r.read()
-            return True, time.perf_counter() - start, ""
+            return True, time.perf_counter() - start, "", None
         async with session.post(url, json=body) as r:
             if r.status != 200:
-                return False, time.perf_counter() - start, f"HTTP {r.status}: {(await r.text())[:200]}"
+                return False, time.perf_counter() - start, f"HTTP {r.status}: {(await r.text())[:200]}", None
             if kind == "abort":
                 await r.content.readline()  # the first event, then hang up
-                return True, time.perf_counter() - start, ""
-            raw = await r.read()
+                return True, time.perf_counter() - start, "", None
+            if body.get("stream"):
+                first = await r.content.readline()
+                ttft = time.perf_counter() - start
+                raw = first + await r.read()
+            else:
+                raw = await r.read()
         if body.get("stream") and not raw.rstrip().endswith(b"data: [DONE]"):
-            return False, time.perf_counter() - start, "a stream without [DONE]"
-        return True, time.perf_counter() - start, ""
+            return False, time.perf_counter() - start, "a stream without [DONE]", None
+        return True, time.perf_counter() - start, "", ttft if body.get("stream") else None
     except (aiohttp.ClientError, TimeoutError) as e:
-        return False, time.perf_counter() - start, f"{type(e).__name__}: {e}"
+        return False, time.perf_counter() - start, f"{type(e).__name__}: {e}", None
 
 
 def process_sample(pid: int | None) -> dict:
@@ -109,12 +115,15 @@ async def kv_usage(session: aiohttp.ClientSession, base_url: str) -> float | Non
 
 
 async def drive(base_url: str, pid: int | None, duration: float, sample_every: float, concurrency: int,
-                max_tokens: int, seed: int = 0, api_key: str | None = None, quiet: bool = False) -> dict:
-    """Run the mix for `duration` s with `concurrency` clients; a sample every `sample_every` s."""
+                max_tokens: int, seed: int = 0, api_key: str | None = None, quiet: bool = False,
+                kinds: tuple[str, ...] = KINDS, warmup: float = 0.0) -> dict:
+    """Run the mix of `kinds` for `duration` s with `concurrency` clients; a sample every `sample_every` s; the
+    latency percentiles of the requests that end after `warmup` s."""
     rng = random.Random(seed)
     url, start = base_url + "/v1/completions", time.perf_counter()
     deadline = start + duration
     window: list[float] = []
+    latencies: dict[str, list[float]] = {"latency_s": [], "ttft_s": []}  # (after the warm-up)
     counts = {"requests": 0, "errors": 0}
     errors: list[str] = []
     samples = []
@@ -122,14 +131,18 @@ async def drive(base_url: str, pid: int | None, duration: float, sample_every: f
 
     async def client(session):
         while time.perf_counter() < deadline:
-            kind = rng.choice(KINDS)
-            ok, seconds, why = await one_request(session, url, kind, body_of(kind, rng, max_tokens))
+            kind = rng.choice(kinds)
+            ok, seconds, why, ttft = await one_request(session, url, kind, body_of(kind, rng, max_tokens))
             counts["requests"] += 1
             if not ok:
                 counts["errors"] += 1
                 errors.append(f"{kind}: {why}")
             elif kind not in ("abort", "disconnect"):
                 window.append(seconds)
+                if time.perf_counter() - start >= warmup:
+                    latencies["latency_s"].append(seconds)
+                    if ttft is not None:
+                        latencies["ttft_s"].append(ttft)
 
     async def sample(session):
         lat = np.array(window) if window else np.array([np.nan])
@@ -155,7 +168,9 @@ async def drive(base_url: str, pid: int | None, duration: float, sample_every: f
                 break
             await asyncio.sleep(0.1)
         await sample(session)
-    return {"samples": samples, "errors": errors[:20], **counts}
+    percentiles = {key: {f"p{q}": float(np.quantile(v, q / 100)) for q in (50, 90, 99)} if v else None
+                   for key, v in latencies.items()}
+    return {"samples": samples, "errors": errors[:20], **counts, **percentiles}
 
 
 def _slope_growth(ts: np.ndarray, ys: np.ndarray) -> float:
@@ -241,6 +256,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=600.0, help="seconds before growth counts (default: %(default)s)")
     p.add_argument("--sample-every", type=float, default=60.0, help="(default: %(default)s s)")
     p.add_argument("--concurrency", type=int, default=16, help="clients at once (default: %(default)s)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="the request kinds mixed, comma-separated (default: all of them; `stream` alone with "
+                   "--concurrency 256 is the saturation load)")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens a request asks for (default: %(default)s)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None, help="write the samples and the verdict here")
@@ -250,6 +268,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(ns: argparse.Namespace) -> dict:
     if (ns.base_url is None) == (ns.model is None):
         raise ValueError("give --base-url (a running server) or --model (one is started)")
+    kinds = tuple(k for k in ns.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        raise ValueError(f"--kinds: each of {', '.join(KINDS)}, got {ns.kinds!r}")
     if ns.warmup >= ns.duration:
         raise ValueError(f"--warmup ({ns.warmup:g} s) must be shorter than --duration ({ns.duration:g} s)")
     server = None
@@ -262,14 +283,17 @@ def main(ns: argparse.Namespace) -> dict:
         _wait_healthy(base_url, server)
     try:
         run = asyncio.run(drive(base_url.rstrip("/"), pid, ns.duration, ns.sample_every, ns.concurrency,
-                                ns.max_tokens, api_key=ns.api_key))
+                                ns.max_tokens, api_key=ns.api_key, kinds=kinds, warmup=ns.warmup))
     finally:
         if server is not None:
             server.terminate()
             server.wait(60)
     checks = verdict(run["samples"], ns.warmup, run["errors"])
-    result = {"duration_s": ns.duration, "warmup_s": ns.warmup, "concurrency": ns.concurrency, **run,
+    result = {"duration_s": ns.duration, "warmup_s": ns.warmup, "concurrency": ns.concurrency, "kinds": kinds, **run,
               "checks": checks, "passed": not any(checks.values())}
+    for key in ("latency_s", "ttft_s"):
+        if run[key]:
+            print(f"{key} after the warm-up: " + ", ".join(f"{q} {v:.3f}" for q, v in run[key].items()))
     print(f"{run['requests']} requests, {run['errors']} failed; " +
           ("; ".join(v for v in checks.values() if v) or "no growth after the warm-up: passed"))
     write_json(result, ns.json)
