@@ -1,5 +1,6 @@
-"""`jaxpaged bench soak`: its traffic mix against a live server keeps every request within the contract and
-leaves no KV block held, it samples what it says it samples, and its verdict flags growth (it can fail)."""
+"""`jaxpaged bench soak`: its traffic mix against a live server for 3 minutes (the CI version of the hour-long
+run) keeps every request within the contract, leaves no KV block held and grows neither memory nor descriptors
+after its warm-up; it samples what it says it samples, and its verdict flags growth (it can fail)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ def server(tiny_model_dir):
 
 
 def test_the_mix_runs_clean_and_is_sampled(server, tmp_path, caplog):
-    run = asyncio.run(drive(server.base_url, os.getpid(), duration=8, sample_every=2, concurrency=4,
-                            max_tokens=8, api_key=API_KEY, quiet=True))
+    run = asyncio.run(drive(server.base_url, os.getpid(), duration=180, sample_every=10, concurrency=4,
+                            max_tokens=8, api_key=API_KEY, quiet=True, warmup=40))
     assert run["errors"] == 0, run["errors"]
     assert run["requests"] >= 2 * len(KINDS)  # (each kind drawn, most likely several times)
     samples = run["samples"]
-    assert len(samples) >= 4 and all(s["rss_mb"] > 0 and s["fds"] > 0 for s in samples)
+    assert len(samples) >= 17 and all(s["rss_mb"] > 0 and s["fds"] > 0 for s in samples)
     # (the KV pool at least: the tiny model's pool is its largest array)
     pool_mb = sum(x.nbytes for x in jax.tree.leaves(server.engine.engine.runner.kv_pool)) / 2**20
     assert all(s["device_mb"] >= pool_mb for s in samples), (pool_mb, [s["device_mb"] for s in samples])
@@ -34,10 +35,10 @@ def test_the_mix_runs_clean_and_is_sampled(server, tmp_path, caplog):
     assert server.engine.num_unfinished == 0
     # (clients that hang up mid-stream are routine: no traceback in the log for them)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert verdict(samples, warmup_s=2, errors=run["errors"]) == {
-        "errors": None, "kv_after": None, "rss_mb": None, "device_mb": None, "fds": None,
-        "latency": None}
-    svg_plot(samples, str(tmp_path / "soak.svg"), 2)
+    checks = verdict(samples, warmup_s=40, errors=run["errors"])  # (this process's RSS: the test's own too)
+    checks.pop("latency")  # (the suite's other worker shares the two cores: latency here is its load, not ours)
+    assert checks == {"errors": None, "kv_after": None, "rss_mb": None, "device_mb": None, "fds": None}
+    svg_plot(samples, str(tmp_path / "soak.svg"), 40)
     assert (tmp_path / "soak.svg").read_text().startswith("<svg")
     assert 0 < run["latency_s"]["p50"] <= run["latency_s"]["p99"] and run["ttft_s"]["p50"] <= run["latency_s"]["p99"]
 
