@@ -144,12 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "prefix cache (vLLM's flag; default: off)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='tool_choice "auto": calls the model writes are parsed into tool_calls (needs '
-                     "--tool-call-parser; \"required\" and named functions work without it)")
+                     "--tool-call-parser; \"required\" and named functions work without it; default: off)")
     srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                      help="how the model writes calls: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, mistral, "
-                     "pythonic (Llama 3.2/4) (vLLM's names)")
+                     "pythonic (Llama 3.2/4) (vLLM's names; default: none)")
     srv.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                     help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3")
+                     help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 
