@@ -54,12 +54,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxpaged"
 
 
-def _build(name: str, compiler: str) -> Path:
+def _build(name: str, compiler: str, extra: tuple[str, ...] = ()) -> Path:
+    """extra: more compiler arguments (a library's include folder and the library to link), in the key too."""
     source = SOURCE_DIR / f"{name}.cc"
     include = jax.ffi.include_dir()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # (shared code the sources include)
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, cpu_identity(),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS + extra), version, cpu_identity(),
                                     include, jax.__version__]).encode()).hexdigest()[:16]
     target = cache_dir() / "cpu_kernels" / f"{name}-{key}.so"
     if target.exists():
@@ -69,7 +70,7 @@ def _build(name: str, compiler: str) -> Path:
     os.close(fd)
     try:
         logger.info("compiling the CPU kernel %s (once per machine; cached in %s)", name, target.parent)
-        result = subprocess.run([compiler, *FLAGS, f"-I{include}", str(source), "-o", tmp],
+        result = subprocess.run([compiler, *FLAGS, f"-I{include}", str(source), *extra, "-o", tmp],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             errors = [ln for ln in result.stderr.splitlines() if "error" in ln] or result.stderr.splitlines()[-5:]
@@ -82,8 +83,9 @@ def _build(name: str, compiler: str) -> Path:
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library for `pallas_kernels/cpu/{name}.cc`, or None (logged) where it cannot be built."""
+def load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library for `pallas_kernels/cpu/{name}.cc` (extra: as `_build`'s), or None (logged) where it
+    cannot be built."""
     if os.environ.get("JAXPAGED_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (JAXPAGED_CPU_KERNELS=0): %s runs as plain XLA", name)
         return None
@@ -93,7 +95,7 @@ def load(name: str) -> ctypes.CDLL | None:
                        "XLA, which is slower", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(name, compiler)))
+        return ctypes.CDLL(str(_build(name, compiler, extra)))
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the XLA path
         logger.warning("could not build the CPU kernel %s (%s): falling back to plain XLA", name, e)
         return None

@@ -192,8 +192,9 @@ class LLMEngine:
             logger.info("Loaded %s (%s, %s weights, %s activations) in %.1f s", path, model_config.architecture,
                         model_config.dtype, model_config.compute_dtype, time.perf_counter() - t0)
             if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
-                logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 runs ~1.3-1.5x faster here "
-                            "(bf16 weights, float32 activations; greedy outputs differ slightly from float32's)")
+                logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 is faster here (bf16 weights, "
+                            "float32 activations; greedy outputs differ slightly from float32's; SmolLM2-135M on "
+                            "a 2-core AVX512-BF16 machine: 1.59x, docs/benchmarks/cpu.md)")
             if draft_config is not None:
                 draft_model = build_model(draft_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
                                           attention_backend=attention_backend)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import cpu_onednn
 from pallas_kernels.cpu_dense import can_pack, pack, packed_dense
 
 
@@ -24,13 +25,15 @@ def rms_norm(x: Float[Array, "T E"], weight: Float[Array, "E"], eps: float, offs
 
 def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K panel"],
           rows: Int[Array, ""] | None = None) -> Float[Array, "T N"]:
-    """x @ w in x's dtype. A 3-D w is packed for the CPU dense call (`pallas_kernels.cpu_dense`), which with
-    `rows` multiplies only x's first rows (the step's tokens before its padding) and zeros the rest. Narrower
+    """x @ w in x's dtype. A 3-D w is laid out for a CPU dense call: float32 panels for `pallas_kernels.cpu_dense`,
+    a bf16 [1, K, N] for oneDNN's GEMM (`pallas_kernels.cpu_onednn`); with `rows` either multiplies only x's first
+    rows (the step's tokens before its padding) and zeros the rest. Narrower
     weights than activations (bf16 weights, float32 activations: the CPU form) take x rounded to w's dtype into
     a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot instructions (twice float32's rate;
     a bf16-output dot takes a slow path)."""
     if w.ndim == 3:
-        return packed_dense(x, w, rows).astype(x.dtype)
+        call = cpu_onednn.onednn_dense if w.dtype == jnp.bfloat16 else packed_dense
+        return call(x, w, rows).astype(x.dtype)
     if x.dtype == w.dtype:
         return x @ w
     y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
@@ -42,6 +45,16 @@ def cpu_panels(w: np.ndarray) -> jax.Array | None:
     """A float32 [K, N] weight as the CPU dense call's column panels ([N / panel, K, panel], what `dense` takes
     as a 3-D w), or None where the call cannot take this shape."""
     return jnp.asarray(pack(w)) if can_pack(w) else None
+
+
+def cpu_layout(w: np.ndarray, dtype) -> jax.Array | None:
+    """A [K, N] weight laid out for a CPU dense call in `dtype` (float32: `cpu_panels`; bfloat16: oneDNN's
+    [1, K, N]), or None where no call takes it (the weight then stays [K, N] for XLA's dot)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return cpu_panels(np.asarray(w).astype(np.float32, copy=False))
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return cpu_onednn.layout(w)
+    return None
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),

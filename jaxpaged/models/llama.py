@@ -25,7 +25,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
 from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
 from jaxpaged.layers.attention import paged_attention, write_kv
-from jaxpaged.layers.dense import cpu_panels, dense, gated_mlp, moe_mlp, rms_norm
+from jaxpaged.layers.dense import cpu_layout, dense, gated_mlp, moe_mlp, rms_norm
 from jaxpaged.layers.rope import apply_rope, model_rope_angles
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
@@ -269,9 +269,11 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     "w_gate_up" (in one group per device of `mesh`: `_fuse`). per_layer=False: params["layers"] is a dict of
     [L, ...] arrays; True: a list of L dicts; None: `default_per_layer()` (per layer on CPU, stacked elsewhere;
     see the module docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
-    (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: float32 per-layer weights
-    (and a float32 [E, V] LM head) are stored as the CPU dense call's column panels (`layers.dense.cpu_panels`,
-    [N / panel, K, panel]; `dense` and `compute_logits` take either form), so XLA:CPU does not repack them.
+    (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: per-layer weights are
+    laid out for a CPU dense call (`layers.dense.cpu_layout`; `dense` and `compute_logits` take either form):
+    float32 ones (and a float32 [E, V] LM head) as column panels [N / panel, K, panel], so XLA:CPU does not
+    repack them; bf16 ones as [1, K, N] for oneDNN's bf16 GEMM, where it is installed (the bf16 LM head keeps
+    XLA's dot, as fast there).
     """
     per_layer = resolve_per_layer(cfg, per_layer)
     expected = param_shapes(cfg)
@@ -293,13 +295,13 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     for fused, parts in FUSED.items():
         if all(p in layers for p in parts):
             layers[fused] = _fuse([layers.pop(p) for p in parts], mesh_size(mesh))
-    packed = packed and per_layer and mesh is None and dtype == jnp.float32
+    packed = packed and per_layer and mesh is None and dtype in (jnp.float32, jnp.bfloat16)
 
-    def put_layer(name: str, x):  # (packed for the CPU dense call where it can be, else as `put`)
-        if packed and name in PACKED_WEIGHTS:
-            if (panels := cpu_panels(np.asarray(x).astype(np.float32, copy=False))) is not None:
-                return panels
-        return put(name, x)
+    def put_layer(name: str, x):  # (laid out for a CPU dense call where one takes it, else as `put`)
+        laid_out = None
+        if packed and name in PACKED_WEIGHTS and (name != "lm_head" or dtype == jnp.float32):
+            laid_out = cpu_layout(x, dtype)
+        return put(name, x) if laid_out is None else laid_out
 
     params: dict = {name: (put_layer if name == "lm_head" else put)(name, weights[name]) for name in expected
                     if not name.startswith("layers.")}
@@ -333,7 +335,7 @@ class LlamaForCausalLM(nnx.Module):
     """Decoder-only Llama-family model over a paged KV pool: the engine's holder of `forward`'s params.
 
     per_layer: one weight dict per layer and a Python loop (default on CPU, where it is faster), else stacked
-    weights under `lax.scan` (see the module docstring). packed: float32 weights packed for the CPU dense call
+    weights under `lax.scan` (see the module docstring). packed: weights laid out for the CPU dense calls
     (`model_params`); by default with the CPU attention kernel."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, attention_backend: str = "reference",
