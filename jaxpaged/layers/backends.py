@@ -7,12 +7,12 @@ from __future__ import annotations
 import jax
 
 from jaxpaged.config import ATTENTION_BACKENDS, platform_is_gpu
-from pallas_kernels import cpu_attention, cpu_dense, cpu_rope
+from pallas_kernels import cpu_attention, cpu_dense, cpu_onednn, cpu_rope
 from pallas_kernels.cpu_build import cpu_identity
 from pallas_kernels.paged_attention import VARIANT_ENV
 
 # XLA custom-call targets of the C++ CPU kernels: the compile guard allows them in a CPU step's HLO
-CPU_CUSTOM_CALL_TARGETS = (cpu_attention.TARGET, cpu_rope.TARGET, cpu_dense.TARGET)
+CPU_CUSTOM_CALL_TARGETS = (cpu_attention.TARGET, cpu_rope.TARGET, cpu_dense.TARGET, cpu_onednn.TARGET)
 # the environment variable that picks the Pallas attention's variant (read at trace time: part of a step's key)
 ATTENTION_VARIANT_ENV = VARIANT_ENV
 

@@ -80,3 +80,15 @@ def test_a_bf16_model_packs_its_layers_and_computes_the_same_step(onednn):
     assert np.isfinite(got[:n]).all()
     np.testing.assert_allclose(got[:n], want[:n], rtol=2e-2, atol=2e-2)  # (bf16 roundings of the same sums)
     assert np.abs(got[:n] - want[:n]).max() < 0.05 * np.abs(want[:n]).max()
+
+
+def test_a_step_with_the_call_exports_for_the_step_cache(onednn):
+    """The step cache keeps steps as `jax.export` modules, which refuse custom calls not named as allowed: the
+    call is among the CPU targets the runner names (without it every bf16 start traced its steps again)."""
+    from jaxpaged.layers.backends import CPU_CUSTOM_CALL_TARGETS
+
+    w = cpu_onednn.layout(np.ones((64, 64), np.float32))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CPU_CUSTOM_CALL_TARGETS]
+    exported = jax.export.export(jax.jit(cpu_onednn.onednn_dense), disabled_checks=checks)(jnp.ones((8, 64)), w)
+    back = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(np.asarray(back.call(jnp.ones((8, 64)), w)), 64.0)
