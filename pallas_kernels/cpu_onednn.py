@@ -47,12 +47,15 @@ def _installed_file(distribution: str, suffix: str) -> Path | None:
 
 
 def build_arguments() -> tuple[str, ...] | None:
-    """The include folder and library the call builds against (from the wheels), or None where one is missing."""
+    """The include folder and library the call builds against (from the wheels), or None where one is missing.
+    The wheels' versions are among them (as a macro), so an upgrade in place rebuilds the call."""
     library = _installed_file(LIBRARY, "libdnnl.so.3")
     header = _installed_file(HEADERS, "oneapi/dnnl/dnnl.hpp")
     if library is None or header is None or not library.exists() or not header.exists():
         return None
-    return f"-I{header.parent.parent.parent}", str(library), f"-Wl,-rpath,{library.parent}"
+    versions = "_".join(importlib.metadata.version(d) for d in (LIBRARY, HEADERS)).replace(".", "_")
+    return (f"-I{header.parent.parent.parent}", str(library), f"-Wl,-rpath,{library.parent}",
+            f"-DJAXPAGED_ONEDNN_WHEELS={versions}")
 
 
 @functools.cache
@@ -66,9 +69,15 @@ def _library() -> ctypes.CDLL | None:
         return None
     # oneDNN's OpenMP threads sleep between calls rather than spin: spinning, they take the cores from XLA's own
     # threads running the rest of the step (bench throughput, bf16 SmolLM2: 319 tok/s passive, 306 by default,
-    # 184 active). libgomp reads this once, when the library loads; a value already set is kept.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    lib = cpu_build.load("onednn_dense", arguments)
+    # 184 active). libgomp reads it once, as it loads; set only for that (a value already set is kept), so
+    # processes started later (a benchmark's peer) do not inherit it.
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = policy or "PASSIVE"
+    try:
+        lib = cpu_build.load("onednn_dense", arguments)
+    finally:
+        if policy is None:
+            del os.environ["OMP_WAIT_POLICY"]
     if lib is None:
         return None
     lib.JaxpagedOneDnnPackedSize.restype = ctypes.c_int64
@@ -111,7 +120,7 @@ def onednn_dense(x: Float[Array, "M K"], w: Float[Array, "1 K N"],
     takes it). rows: only x's first `rows` rows (of the flattened leading axes) are multiplied, the others'
     outputs are zeros."""
     _, k, n = w.shape
-    if x.shape[-1] != k or w.dtype != jnp.bfloat16:
+    if w.shape[0] != 1 or x.shape[-1] != k or w.dtype != jnp.bfloat16:
         raise ValueError(f"onednn_dense: x {x.shape} and weight {w.shape} {w.dtype} do not match")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)

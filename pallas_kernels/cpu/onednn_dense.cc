@@ -21,7 +21,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -50,21 +52,35 @@ memory::desc WeightDesc(int64_t k, int64_t n) {
   memory::desc src({kRowsHint, k}, memory::data_type::bf16, memory::format_tag::ab);
   memory::desc any({k, n}, memory::data_type::bf16, memory::format_tag::any);
   memory::desc dst({kRowsHint, n}, memory::data_type::f32, memory::format_tag::ab);
-  memory::desc chosen = dnnl::matmul::primitive_desc(cpu_engine(), src, any, dst).weights_desc();
+  dnnl::matmul::primitive_desc pd(cpu_engine(), src, any, dst);
+  // Only the brgemm kernels (AVX512-BF16, AMX) are what was measured faster than XLA's dot; elsewhere (AVX-512
+  // without BF16 picks a plain-layout GEMM) an empty descriptor: the Python side then keeps XLA's dot.
+  memory::desc chosen = std::string(pd.impl_info_str()).rfind("brg", 0) == 0 ? pd.weights_desc() : memory::desc();
   cache.emplace(std::make_pair(k, n), chosen);
   return chosen;
 }
 
-dnnl::matmul& Primitive(int64_t m, int64_t k, int64_t n) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> cache;
+// A primitive and the scratchpad bytes it needs. Its scratchpad is the caller's (scratchpad_mode::user): one
+// primitive run on two threads at once with a scratchpad of its own gave wrong outputs (~1.6% of them in a
+// two-thread test), and XLA may call the custom call from several of its threads.
+struct Matmul {
+  dnnl::matmul primitive;
+  size_t scratchpad_bytes;
+};
+
+const Matmul& Primitive(int64_t m, int64_t k, int64_t n) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, Matmul> cache;
   const memory::desc weights = WeightDesc(k, n);
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find({m, k, n});
   if (it != cache.end()) return it->second;
   memory::desc src({m, k}, memory::data_type::bf16, memory::format_tag::ab);
   memory::desc dst({m, n}, memory::data_type::f32, memory::format_tag::ab);
-  dnnl::matmul prim(dnnl::matmul::primitive_desc(cpu_engine(), src, weights, dst));
-  return cache.emplace(std::make_tuple(m, k, n), prim).first->second;
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(cpu_engine(), src, weights, dst, attr);
+  Matmul entry{dnnl::matmul(pd), pd.scratchpad_desc().get_size()};
+  return cache.emplace(std::make_tuple(m, k, n), entry).first->second;
 }
 
 ffi::Error OneDnnDense(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> rows,
@@ -80,16 +96,23 @@ ffi::Error OneDnnDense(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
   float* ys = y->typed_data();
   try {
     if (run > 0) {
-      dnnl::matmul& prim = Primitive(run, k, n);
+      const Matmul& mm = Primitive(run, k, n);
+      thread_local std::vector<char> scratchpad;
+      if (scratchpad.size() < mm.scratchpad_bytes) scratchpad.resize(mm.scratchpad_bytes);
       memory src({{run, k}, memory::data_type::bf16, memory::format_tag::ab}, cpu_engine(), x.untyped_data());
       memory weights(WeightDesc(k, n), cpu_engine(), w.untyped_data());
       memory dst({{run, n}, memory::data_type::f32, memory::format_tag::ab}, cpu_engine(), ys);
+      memory pad({{static_cast<int64_t>(mm.scratchpad_bytes)}, memory::data_type::u8, memory::format_tag::a},
+                 cpu_engine(), scratchpad.data());
       dnnl::stream stream(cpu_engine());
-      prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst}});
+      mm.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst},
+                                    {DNNL_ARG_SCRATCHPAD, pad}});
       stream.wait();
     }
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("onednn_dense: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("onednn_dense: failed (out of memory?)");
   }
   if (m < xd[0]) std::memset(ys + m * n, 0, (xd[0] - m) * n * sizeof(float));
   return ffi::Error::Success();
@@ -97,11 +120,13 @@ ffi::Error OneDnnDense(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
 
 }  // namespace
 
-// Bytes of the packed [K, N] bf16 weight (the Python side uses the call only where it is K * N * 2), or -1.
+// Bytes of the packed [K, N] bf16 weight (the Python side uses the call only where it is K * N * 2), or -1
+// where no brgemm kernel takes it.
 extern "C" int64_t JaxpagedOneDnnPackedSize(int64_t k, int64_t n) {
   try {
-    return static_cast<int64_t>(WeightDesc(k, n).get_size());
-  } catch (const dnnl::error&) {
+    const memory::desc desc = WeightDesc(k, n);
+    return desc.get_ndims() == 0 ? -1 : static_cast<int64_t>(desc.get_size());
+  } catch (...) {
     return -1;
   }
 }
@@ -115,7 +140,7 @@ extern "C" int JaxpagedOneDnnPack(int64_t k, int64_t n, const void* src, void* d
     dnnl::reorder(from, to).execute(stream, from, to);
     stream.wait();
     return 1;
-  } catch (const dnnl::error&) {
+  } catch (...) {
     return 0;
   }
 }

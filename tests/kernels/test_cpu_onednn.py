@@ -1,6 +1,9 @@
 """The oneDNN bf16 dense call equals a bf16 x bf16 -> float32 matmul (rows around its rounding to 8, padding rows
 zero), and a bf16 model on CPU packs its layers for it and computes the same step as with XLA's dot."""
 
+import os
+import threading
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,15 +11,20 @@ import numpy as np
 import pytest
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models import llama
+from jaxpaged.models import llama, registry
 from pallas_kernels import cpu_build, cpu_onednn
 
 
 @pytest.fixture(scope="module")
 def onednn():
+    if jax.default_backend() != "cpu" or os.environ.get(cpu_onednn.ENV) == "0":
+        pytest.skip("the oneDNN call is for JAX on CPU (and not turned off)")
     if cpu_onednn.build_arguments() is None or cpu_build._compiler() is None:
         pytest.skip("oneDNN's wheels (a dependency on x86-64 Linux) or a C++ compiler are missing here")
+    if not registry.cpu_has_bf16_dot():
+        pytest.skip("this CPU has no bf16 dot instructions: bf16 weights keep XLA's dot")
     assert cpu_onednn.available(), "the oneDNN dense call did not build or load (see the log)"
+    assert cpu_onednn.layout(np.ones((576, 960), np.float32)) is not None, "no brgemm kernel on a bf16 CPU"
 
 
 def bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -40,6 +48,40 @@ def test_onednn_dense_equals_the_bf16_matmul(onednn, m, k, n):
     part = np.asarray(jax.jit(cpu_onednn.onednn_dense)(x, packed, jnp.int32(m // 2 + 1)))
     np.testing.assert_allclose(part[:m // 2 + 1] / scale, want[:m // 2 + 1] / scale, atol=2e-6)
     assert not part[m // 2 + 1:].any()
+
+
+@pytest.mark.parametrize("rows", [0, 8, 16, 40])
+def test_row_counts_at_the_edges(onednn, rows):
+    """No rows (all zeros), multiples of the rounding to 8, and more rows than x has (clamped to all)."""
+    rng = np.random.default_rng(rows)
+    x, w = rng.normal(size=(16, 64)).astype(np.float32), rng.normal(size=(64, 64)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_onednn.onednn_dense)(x, cpu_onednn.layout(w), jnp.int32(rows)))
+    want = bf16_matmul(x, w)
+    want[min(rows, 16):] = 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_calls_on_two_threads_at_once(onednn):
+    """XLA may run the call from several threads: one shape's primitive run concurrently, each with its own
+    inputs, gives each its own product (a primitive sharing its scratchpad did not)."""
+    rng = np.random.default_rng(1)
+    w = cpu_onednn.layout(rng.normal(size=(576, 960)).astype(np.float32))
+    xs = [rng.normal(size=(16, 576)).astype(np.float32) for _ in range(2)]
+    wants = [np.asarray(jax.jit(cpu_onednn.onednn_dense)(x, w)) for x in xs]
+    call = jax.jit(cpu_onednn.onednn_dense)
+    wrong = []
+
+    def run(i):
+        for _ in range(300):
+            if not np.array_equal(np.asarray(call(xs[i], w)), wants[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
 
 
 def test_shapes_the_layout_would_pad_keep_xlas_dot(onednn):
