@@ -194,7 +194,7 @@ class LLMEngine:
             if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
                 logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 is faster here (bf16 weights, "
                             "float32 activations; greedy outputs differ slightly from float32's; SmolLM2-135M on "
-                            "a 2-core AVX512-BF16 machine: 1.59x, docs/benchmarks/cpu.md)")
+                            "a 2-core AVX512-BF16 machine: 1.6x, docs/benchmarks/cpu.md)")
             if draft_config is not None:
                 draft_model = build_model(draft_config, load_format=args.load_format, kv_chunk=max(32, args.block_size),
                                           attention_backend=attention_backend)
