@@ -266,24 +266,29 @@ class AsyncLLM:
         self._wake.set()
 
     # -- engine thread ------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Hands the queued messages to the engine; returns how many there were."""
         engine = self.engine
         handlers = {"add": engine.add_core_requests, "restore": engine.restore_core_requests,
                     "abort": engine.abort_core_requests, "finish": engine.finish_core_requests}
+        handled = 0
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return handled
             handlers[kind](payload)
+            handled += 1
 
     def _engine_loop(self) -> None:
         core = self.engine.core
         channel = core.step_channel  # (several processes)
         try:
             while not self._stopped:
-                self._drain_inbox()
+                handled = self._drain_inbox()
                 if not core.has_unfinished_requests():
+                    if handled:  # (aborts and finishes freed blocks with no step after them: fresh gauges)
+                        self._outbox.put((None, None, core.gauges()))
                     idle = not self._wake.wait(KEEPALIVE_SECONDS if channel is not None else None)
                     self._wake.clear()
                     if idle and channel is not None:
@@ -315,6 +320,10 @@ class AsyncLLM:
     def _output_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
             outputs, stats, gauges = item
+            if outputs is None:  # the engine gone idle: its gauges alone
+                with self._lock:
+                    self.engine.record_gauges(gauges)
+                continue
             try:
                 faults.check("output")
                 with self._lock:

@@ -455,6 +455,14 @@ class LLMEngine:
             self.finish_core_requests(stopped)
         return results
 
+    def record_gauges(self, gauges: EngineGauges) -> None:
+        """The engine's gauges with no step: after aborts and finishes free blocks and no step follows, the last
+        step's gauges (KV usage, running) would stay on /metrics."""
+        self.metrics.observe_step(prompt_tokens=0, generation_tokens=0, preemptions=0, running=gauges.num_running,
+                                  waiting=gauges.num_waiting, kv_usage=gauges.kv_usage,
+                                  prefix_queries_total=gauges.prefix_queries_total,
+                                  prefix_hits_total=gauges.prefix_hits_total, device_memory=gauges.device_memory_bytes)
+
     def record_step(self, step: StepStats, gauges: EngineGauges) -> None:
         """A step's counters and the engine's gauges after it into the stats and metrics (values: `AsyncLLM`
         calls this on its output thread)."""

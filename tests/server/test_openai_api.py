@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import openai
@@ -425,6 +426,23 @@ def test_metrics_count_exactly_what_was_served(live_server):
     assert delta(second, third, p + 'request_success_total{finished_reason="stop"}') == 1
     assert delta(second, third, p + "generation_tokens_total") == 1
     assert third[p + "num_requests_running"] == 0 and third[p + "kv_cache_usage_perc"] == 0
+
+
+def test_gauges_are_fresh_after_the_last_request_is_aborted(live_server):
+    """A stream the client hangs up on ends with no step after it: the KV and running gauges still come back to 0
+    (they were published only after steps, so /metrics kept the last step's blocks until the next request)."""
+    p = "jaxpaged:"
+    stream = client(live_server).completions.create(model="tiny", prompt=" ".join(f"v{i}" for i in range(40)),
+                                                    max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            assert scrape(live_server)[p + "kv_cache_usage_perc"] > 0
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while (now := scrape(live_server))[p + "kv_cache_usage_perc"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now[p + "kv_cache_usage_perc"] == 0 and now[p + "num_requests_running"] == 0
 
 
 def test_oversized_body_is_413(live_server):
