@@ -4,7 +4,7 @@
 XLA:CPU's bf16 dot reads a row-major weight on every call and runs the 8-64 rows of decode steps well below the
 CPU's bf16 dot rate; oneDNN (Intel's library: the `onednn-cpu-gomp` wheel and its headers,
 `onednn-devel-cpu-gomp`, dependencies on x86-64 Linux) runs weights reordered once into its blocked layout on
-AVX512-BF16 / AMX, 1.3-1.6x faster on decode-sized steps (docs/benchmarks/cpu.md). `layout(w)` packs a [K, N]
+AVX512-BF16 / AMX, 1.2-1.6x faster on decode-sized steps (docs/benchmarks/cpu.md). `layout(w)` packs a [K, N]
 weight once, at load, into a bf16 [1, K, N] array of opaque contents; `onednn_dense(x, w, rows)` is then x @ w
 in float32, multiplying only x's first `rows` rows (as `cpu_dense.packed_dense`). Where the wheels or a compiler
 are missing, or `JAXPAGED_ONEDNN=0`, `available()` is False (logged once) and weights keep XLA's dot.

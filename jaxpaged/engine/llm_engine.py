@@ -455,10 +455,12 @@ class LLMEngine:
             self.finish_core_requests(stopped)
         return results
 
-    def record_gauges(self, gauges: EngineGauges) -> None:
-        """The engine's gauges with no step: after aborts and finishes free blocks and no step follows, the last
-        step's gauges (KV usage, running) would stay on /metrics."""
-        self.metrics.observe_step(prompt_tokens=0, generation_tokens=0, preemptions=0, running=gauges.num_running,
+    def record_gauges(self, gauges: EngineGauges, step: StepStats | None = None) -> None:
+        """The engine's gauges into the metrics, with a step's counters (`record_step`) or alone: after aborts and
+        finishes free blocks and no step follows, the last step's gauges (KV usage, running) would stay."""
+        self.metrics.observe_step(prompt_tokens=step.num_prompt_tokens if step else 0,
+                                  generation_tokens=step.num_generation_tokens if step else 0,
+                                  preemptions=step.num_preemptions if step else 0, running=gauges.num_running,
                                   waiting=gauges.num_waiting, kv_usage=gauges.kv_usage,
                                   prefix_queries_total=gauges.prefix_queries_total,
                                   prefix_hits_total=gauges.prefix_hits_total, device_memory=gauges.device_memory_bytes)
@@ -471,10 +473,7 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_prompt_tokens += step.num_prompt_tokens
         self.stats.num_generation_tokens += step.num_generation_tokens
-        m.observe_step(prompt_tokens=step.num_prompt_tokens, generation_tokens=step.num_generation_tokens,
-                       preemptions=step.num_preemptions, running=gauges.num_running, waiting=gauges.num_waiting,
-                       kv_usage=gauges.kv_usage, prefix_queries_total=gauges.prefix_queries_total,
-                       prefix_hits_total=gauges.prefix_hits_total, device_memory=gauges.device_memory_bytes)
+        self.record_gauges(gauges, step)
         if gauges.offload is not None:
             m.observe_offload(gauges.offload)
         for t, n in (step.tenant_kv_blocks or {}).items():

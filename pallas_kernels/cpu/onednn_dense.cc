@@ -4,7 +4,7 @@
 // The weights are reordered once, at load, into the blocked layout oneDNN's bf16 matmul reads (AVX512-BF16 /
 // AMX brgemm panels): `JaxpagedOneDnnPack`. XLA:CPU's bf16 dot and oneDNN's plain GEMM repack or stride
 // through a row-major weight on every call; on 30 layers of SmolLM2 at 8-64 rows (decode) the prepacked form is
-// 1.3-1.6x faster (docs/benchmarks/cpu.md), which is what vLLM's CPU backend runs.
+// 1.2-1.6x faster (docs/benchmarks/cpu.md), which is what vLLM's CPU backend runs.
 //
 // The packed layout is a function of (K, N) only (`WeightDesc`, chosen for a fixed row count), and it takes
 // exactly K * N bf16 elements for the shapes the Python side accepts (checked there through
