@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "pythonic (Llama 3.2/4) (vLLM's names; default: none)")
     srv.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                      help="split <think>...</think> into reasoning_content: deepseek_r1 or qwen3 (default: none)")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT folders) served under their names, chosen by a request's model field "
+                     "(needs --enable-lora; vLLM's JSON form {\"name\", \"path\", \"base_model_name\"} too; "
+                     "default: none)")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (also "
+                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; default: off)")
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=_serve)
 

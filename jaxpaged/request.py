@@ -48,6 +48,10 @@ class Request:
     priority: int = 0
     tenant: str | None = None  # (a server with tenants) whose KV share it counts against
     cache_salt: str | None = None  # mixed into its first block's hash: only requests with the same salt share blocks
+    # Its LoRA adapter (`models.lora_adapter.LoRAAdapter`: host arrays and a fingerprint), or None: the base model;
+    # and (scheduler) the slot of the device's LoRA stack it runs with while running, else -1.
+    lora: object | None = None
+    lora_slot: int = -1
     num_cached_tokens: int = -1  # prompt tokens found cached (device, host or disk) when first scheduled; -1 before
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -106,6 +110,14 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its first block's hash is salted with: the cache salt and its adapter's fingerprint (a block
+        computed under one adapter holds other K/V than the base model's or another adapter's)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.fingerprint}"
 
     @property
     def prefix_cacheable(self) -> bool:

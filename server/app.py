@@ -11,6 +11,7 @@ from jaxpaged.engine.async_llm import AsyncLLM, EngineStopped
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.kv_transfer import folder_id, serve_block
+from server.lora_modules import add_routes as add_lora_routes
 from server.openapi import openapi_document
 from server.protocol import APIError, get_field, now
 from server.state import SSE, STATE, TENANT, ChatOptions, ServerState
@@ -66,9 +67,10 @@ async def _error_response(request: web.Request, err: APIError) -> web.StreamResp
 
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
+    created = now()
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": now(), "owned_by": "jaxpaged",
-        "max_model_len": state.max_model_len}]})
+        "id": state.model_name, "object": "model", "created": created, "owned_by": "jaxpaged",
+        "max_model_len": state.max_model_len}, *state.loras.model_cards(created)]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -152,13 +154,18 @@ async def kv_transfer(request: web.Request) -> web.Response:
 
 def create_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None,
                tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-               prompt_tokens_details: bool = False, chat: ChatOptions | None = None) -> web.Application:
+               prompt_tokens_details: bool = False, chat: ChatOptions | None = None,
+               lora_modules: list[tuple[str, str, str | None]] | None = None,
+               allow_runtime_lora: bool = False) -> web.Application:
     """The aiohttp application serving `engine` with OpenAI's API. tenants: the API keys it accepts, with each
     tenant's limits (server/tenants.py); `api_key` is then also accepted, without limits. prompt_tokens_details:
     usage objects carry `prompt_tokens_details.cached_tokens` (vLLM's --enable-prompt-tokens-details). chat: the
-    tool-calling and reasoning flags."""
+    tool-calling and reasoning flags. lora_modules: (name, path, base model name) of the LoRA adapters served by
+    name (server/lora_modules.py); allow_runtime_lora: their load/unload routes work."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details, chat)
+    app[STATE] = ServerState(engine, model_name, api_key, tenants, kv_pull_from, prompt_tokens_details, chat,
+                             lora_modules, allow_runtime_lora)
+    add_lora_routes(app, STATE)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", models)

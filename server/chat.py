@@ -168,7 +168,7 @@ def constrain(params, tools: ToolRequest, state: ServerState, prompt_text: str) 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
-    state.check_model(body)
+    lora = state.check_model(body)
     messages = parse_messages(body)
     tools = tool_request_from(body, auto_enabled=state.chat.auto_tools)
     params = sampling_params_from(body, default_max_tokens=None, chat=True)
@@ -217,7 +217,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
     async with generate_all(state.engine, [prompt], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
-                            limits=state.limits, cache_salt=cache_salt) as outputs:
+                            limits=state.limits, cache_salt=cache_salt, lora_request=lora) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

@@ -78,7 +78,7 @@ def echo_request(body: dict) -> tuple[dict, bool]:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await state.read_json(request)
-    state.check_model(body)
+    lora = state.check_model(body)
     echo = get_field(body, "echo", (bool,), False)
     wants_prompt_logprobs = body.get("prompt_logprobs") is not None
     engine_body, only_prompt = echo_request(body)
@@ -128,7 +128,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     async with generate_all(state.engine, [p.token_ids for p in prompts], params, rid,
                             priority=get_field(body, "priority", (int,), 0), tenant=request.get(TENANT),
-                            limits=state.limits, cache_salt=cache_salt) as outputs:
+                            limits=state.limits, cache_salt=cache_salt, lora_request=lora) as outputs:
         sse = SSEWriter(request) if stream else None
         if sse:
             await sse.start()

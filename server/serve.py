@@ -20,6 +20,7 @@ from aiohttp import web
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from server.app import create_app
+from server.lora_modules import parse_lora_modules, runtime_updates_allowed
 from server.state import STATE, ChatOptions
 from server.tenants import Tenant, load_tenants
 
@@ -52,17 +53,22 @@ RESTORED_OUTPUTS = "restored_outputs.jsonl"
 async def serve(engine: AsyncLLM, sock: socket.socket, *, api_key: str | None = None,
                 model_name: str | None = None, shutdown_timeout: float = 30.0, snapshot_dir: str | None = None,
                 tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-                prompt_tokens_details: bool = False, chat: ChatOptions | None = None) -> int:
+                prompt_tokens_details: bool = False, chat: ChatOptions | None = None,
+                lora_modules: list[tuple[str, str, str | None]] | None = None, allow_runtime_lora: bool = False) -> int:
     """Serve on a bound socket until a signal; on SIGTERM stop accepting, wait for running requests (up to the
     timeout), then end the rest (saved in `snapshot_dir` when given). Returns the exit status: 1 when the engine
     died (its requests have ended with the error), so a supervisor restarts the server."""
     app = create_app(engine, model_name=model_name, api_key=api_key, tenants=tenants,  # (sets the KV shares)
-                     kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details, chat=chat)
+                     kv_pull_from=kv_pull_from, prompt_tokens_details=prompt_tokens_details, chat=chat,
+                     lora_modules=lora_modules, allow_runtime_lora=allow_runtime_lora)
     if snapshot_dir is not None:
         engine.restore(snapshot_dir, os.path.join(snapshot_dir, RESTORED_OUTPUTS))
     if chat is not None and (chat.tool_call_parser or chat.reasoning_parser):
         logger.info("Chat: tool_choice auto %s; tool-call parser %s; reasoning parser %s",
                     "on" if chat.auto_tools else "off", chat.tool_call_parser, chat.reasoning_parser)
+    if app[STATE].loras.by_name:
+        logger.info("LoRA adapters: %s%s", ", ".join(app[STATE].loras.by_name),
+                    " (runtime loading on)" if allow_runtime_lora else "")
     if tenants:
         logger.info("Tenants: %s", ", ".join(f"{t.name} (priority {t.priority}, KV share {t.kv_min:.0%}-{t.kv_max:.0%})"
                                              for t in tenants))
@@ -111,13 +117,18 @@ def main(ns) -> None:
     args.validate()
     tenants = load_tenants(ns.tenants) if ns.tenants else None
     chat = ChatOptions(ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser)
+    lora_modules = parse_lora_modules(ns.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    allow_runtime_lora = runtime_updates_allowed(ns.allow_runtime_lora_updating)
     sock = bind_socket(ns.host, ns.port)
     try:
         engine = AsyncLLM.from_engine_args(args)
         status = asyncio.run(serve(engine, sock, api_key=ns.api_key, model_name=ns.served_model_name,
                           shutdown_timeout=ns.shutdown_timeout, snapshot_dir=ns.snapshot_dir, tenants=tenants,
                           kv_pull_from=[u for u in (ns.kv_pull_from or "").split(",") if u],
-                          prompt_tokens_details=ns.enable_prompt_tokens_details, chat=chat))
+                          prompt_tokens_details=ns.enable_prompt_tokens_details, chat=chat,
+                          lora_modules=lora_modules, allow_runtime_lora=allow_runtime_lora))
     finally:
         sock.close()
     if status:

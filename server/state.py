@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.lora_request import LoRARequest
+from server.lora_modules import LoRAModules
 from server.protocol import APIError, get_field
 from server.reasoning import REASONING_PARSERS
 from server.tenants import Tenant, TenantLimits
@@ -48,7 +50,8 @@ class ServerState:
 
     def __init__(self, engine: AsyncLLM, model_name: str | None, api_key: str | None,
                  tenants: list[Tenant] | None = None, kv_pull_from: list[str] | None = None,
-                 prompt_tokens_details: bool = False, chat: ChatOptions | None = None):
+                 prompt_tokens_details: bool = False, chat: ChatOptions | None = None,
+                 lora_modules: list[tuple[str, str, str | None]] | None = None, allow_runtime_lora: bool = False):
         self.engine = engine
         self.chat = chat or ChatOptions()
         self.prompt_tokens_details = prompt_tokens_details  # usage carries prompt_tokens_details.cached_tokens
@@ -61,6 +64,9 @@ class ServerState:
         self.body_timeout_s = BODY_TIMEOUT_S
         self.limits = TenantLimits(tenants) if tenants else None
         engine.engine.set_kv_shares({t.name: (t.kv_min, t.kv_max) for t in tenants} if tenants else None)
+        self.loras = LoRAModules(engine, self.model_name, allow_runtime_lora)  # (--lora-modules: loaded now)
+        for name, path, base in lora_modules or []:
+            self.loras.add(name, path, base)
 
     async def read_json(self, request: web.Request) -> dict:
         try:
@@ -87,11 +93,9 @@ class ServerState:
                 raise APIError("the request body has a lone UTF-16 surrogate (\\uD800-\\uDFFF) in a string") from None
         return body
 
-    def check_model(self, body: dict) -> None:
-        model = get_field(body, "model", (str,), None)
-        if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
-                           err_type="NotFoundError")
+    def check_model(self, body: dict) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names, None for the base model (or no model); 404 for others."""
+        return self.loras.request_for(get_field(body, "model", (str,), None))
 
     def check_n(self, n: int) -> None:
         """A request's samples run at once, one sequence slot each: more than there are is a 400 (before the

@@ -22,7 +22,7 @@ from server.tenants import RateLimited, Tenant, TenantLimits
 @contextlib.asynccontextmanager
 async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: SamplingParams, request_id: str,
                        priority: int = 0, tenant: Tenant | None = None, limits: TenantLimits | None = None,
-                       cache_salt: str | None = None):
+                       cache_salt: str | None = None, lora_request=None):
     """Queue every prompt (delta outputs), then yield an iterator of (prompt index, output) as they arrive.
 
     Bad input raises APIError before any prompt is left running; so does a tenant's limit (429). Leaving the
@@ -39,7 +39,7 @@ async def generate_all(engine: AsyncLLM, prompts: list[list[int]], params: Sampl
             for i, p in enumerate(prompts):
                 streams.append(await engine.add_request(p, params, f"{request_id}-{i}", delta=True,
                                                         priority=priority, tenant=tenant and tenant.name,
-                                                        cache_salt=cache_salt))
+                                                        cache_salt=cache_salt, lora_request=lora_request))
         except ValueError as e:
             if counted and not streams:
                 limits.refund(tenant, tokens)  # (refused: nothing ran)

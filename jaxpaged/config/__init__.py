@@ -23,6 +23,7 @@ from jaxpaged.config.engine_config import (
     parse_bytes,
     platform_is_gpu,
 )
+from jaxpaged.config.lora import LoRAConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CPU_KV_CACHE_BYTES", "DEFAULT_GPU_MEMORY_FRACTION", "DTYPES", "KERNEL_BACKENDS", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig", "fine_token_buckets_for", "kv_pool_dtype", "parse_bytes", "pick_token_bucket", "platform_is_gpu", "seq_bucket", "token_buckets"]
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CPU_KV_CACHE_BYTES", "DEFAULT_GPU_MEMORY_FRACTION", "DTYPES", "KERNEL_BACKENDS", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig", "fine_token_buckets_for", "kv_pool_dtype", "parse_bytes", "pick_token_bucket", "platform_is_gpu", "seq_bucket", "token_buckets"]

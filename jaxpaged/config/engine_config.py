@@ -194,6 +194,7 @@ class EngineConfig:
     speculative: Any = None  # a SpeculativeConfig (config/speculative.py), or None: no speculative decoding
     draft_model_config: ModelConfig | None = None  # speculative decoding with method "draft_model"
     load_format: str = "auto"  # how the weights were read (part of the model's identity in snapshots)
+    lora: Any = None  # a LoRAConfig (config/lora.py): multi-LoRA serving; None: no adapters
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -48,7 +48,7 @@ class KVCacheManager:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         bs, done = self.block_size, len(hashes)
         blocks = (request.token_ids_slice(i * bs, (i + 1) * bs) for i in range(done, num_tokens // bs))
-        hashes.extend(block_pool.prompt_block_hashes(blocks, request.cache_salt, parent=hashes[-1] if done else None,
+        hashes.extend(block_pool.prompt_block_hashes(blocks, request.prefix_salt, parent=hashes[-1] if done else None,
                                                      first=done))
         return hashes[: num_tokens // bs]  # (more may be known from earlier steps: never hand out those)
 

@@ -97,6 +97,20 @@ def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...], stacked: bool)
     return NamedSharding(mesh, spec)
 
 
+def lora_sharding(mesh: Mesh, name: str, shape: tuple[int, ...], stacked: bool) -> NamedSharding:
+    """The sharding of a LoRA stack array (`layers/lora.py`) beside its layer: the B of a column-parallel
+    projection (q, k, v, gate, up; [S, R, N]) split over N, the A of a row-parallel one (o, down; [K, P, S, R])
+    over K, the rest replicated (also where the axis does not divide)."""
+    tp, lead = mesh_size(mesh), (None,) * stacked
+    body = shape[len(lead):]
+    spec = P()
+    if name in ("lora_b_q", "lora_b_k", "lora_b_v", "lora_b_gate", "lora_b_up") and body[-1] % tp == 0:
+        spec = P(*lead, None, None, AXIS)
+    elif name in ("lora_a_o", "lora_a_down") and body[0] % tp == 0:
+        spec = P(*lead, AXIS, None, None, None)
+    return NamedSharding(mesh, spec)
+
+
 def replicated(mesh: Mesh | None):
     """The sharding of device state every shard reads whole (processor rows, last tokens); None without a mesh."""
     return None if mesh is None else NamedSharding(mesh, P())

@@ -20,6 +20,7 @@ from jaxpaged.config.engine_config import (
     parse_bytes,
     platform_is_gpu,
 )
+from jaxpaged.config.lora import LoRAConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 
 
@@ -136,6 +137,13 @@ class EngineArgs:
         None, "prompt tokens a step may carry while requests are decoding (the step is filled up to its padded "
               "size), trading time to first token for inter-token latency; 0: no cap; default: 0 on GPU, 512 on "
               "CPU (beside a few decodes: steps of at most 768 tokens)")
+    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT folders) on the base model, chosen per request; a "
+                                     "step mixes adapters and the base model")
+    max_loras: int = _flag(1, "with enable_lora: adapters resident on the device at once (others wait in host "
+                              "memory and are swapped in, least recently used out)")
+    max_lora_rank: int = _flag(16, "with enable_lora: the largest adapter rank served (the device stack's width)")
+    max_cpu_loras: int | None = _flag(None, "with enable_lora: adapters kept in host memory; default: "
+                                            "max(max_loras, 8)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -187,10 +195,11 @@ class EngineArgs:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         spec = self.resolved_speculative_config()
+        self.resolved_lora_config()
         check_multihost_args(self.num_processes, self.process_id, self.coordinator_address)
         if self.num_processes > 1:
             for name, bad in (("data_parallel_size", self.data_parallel_size > 1), ("speculative_config", spec),
-                              ("preemption_mode", self.preemption_mode == "swap"),
+                              ("preemption_mode", self.preemption_mode == "swap"), ("enable_lora", self.enable_lora),
                               ("kv_offload_host_gb", self.kv_offload_host_gb), ("kv_offload_dir", self.kv_offload_dir),
                               ("kv_cache_dtype", self.kv_cache_dtype.startswith("fp8") and self.calculate_kv_scales)):
                 if bad:
@@ -205,6 +214,10 @@ class EngineArgs:
             raise ValueError("speculative_config.model: a draft model does not work with kv_offload_host_gb, "
                              "kv_offload_dir or preemption_mode='swap' yet (they move the target's KV only, and the "
                              "draft model's cache would go stale)")
+
+    def resolved_lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (a LoRAConfig) with enable_lora, else None; ValueError names a bad field."""
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
     def resolved_speculative_config(self):
         """The parsed `speculative_config` (a SpeculativeConfig), or None; ValueError names a bad key."""

@@ -26,6 +26,7 @@ from jaxpaged.distributed.multihost import KEEPALIVE_SECONDS
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -147,10 +148,11 @@ class AsyncLLM:
         priority: int = 0,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Tokenize, validate and queue a request; returns its stream. Bad input raises ValueError. tenant: whose
-        KV share it counts against (`LLMEngine.set_kv_shares`). cache_salt: its own prefix cache
-        (`LLMEngine.make_requests`)."""
+        KV share it counts against (`LLMEngine.set_kv_shares`). cache_salt: its own prefix cache; lora_request: its
+        LoRA adapter (`LLMEngine.make_requests`)."""
         if self._stopped:
             raise EngineStopped(saved=False)
         if self.errored is not None:
@@ -159,7 +161,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, requests = self.engine.make_requests(request_id, prompt, params, priority=priority, tenant=tenant,
-                                                        cache_salt=cache_salt)
+                                                        cache_salt=cache_salt, lora_request=lora_request)
         stream = RequestStream(self, request_id, delta)
         kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
         with self._lock:
@@ -179,6 +181,7 @@ class AsyncLLM:
         delta: bool = False,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (cumulative text, or only the new part with delta=True).
 
@@ -186,12 +189,17 @@ class AsyncLLM:
         cancellation) aborts the request.
         """
         stream = await self.add_request(prompt, params, request_id, delta=delta, priority=priority,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    def forget_lora(self, lora_id: int) -> None:
+        """Forget a LoRA adapter (`LoRARegistry.remove`): new requests cannot name it; running ones finish."""
+        if self.engine.loras is not None:
+            self.engine.loras.remove(lora_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""

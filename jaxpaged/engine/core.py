@@ -44,7 +44,7 @@ class EngineCore:
                                                enable_prefix_caching=cc.enable_prefix_caching,
                                                num_host_blocks=cc.num_host_blocks, offload=self.offload,
                                                export_finished=cc.export_finished_blocks)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, config.lora.max_loras if config.lora else 0)
         self.runner = ModelRunner(config, model, stub=stub, structured=structured, offload=self.offload,
                                   draft_model=draft_model, kv_pool=kv_pool)
         self.speculative = config.speculative

@@ -55,7 +55,7 @@ class ReplicaRouter:
         for req in reqs:
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
-        i = self.pick(reqs[0].prompt_token_ids, reqs[0].cache_salt)
+        i = self.pick(reqs[0].prompt_token_ids, reqs[0].prefix_salt)
         self.num_routed[i] += 1
         for req in reqs:
             self.cores[i].scheduler.add_request(req)

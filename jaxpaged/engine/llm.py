@@ -12,6 +12,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.output_processor import RequestOutputKind
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -73,10 +74,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in order.
 
-        priority: one int per prompt (lower runs first) for the priority and hybrid scheduling policies."""
+        priority: one int per prompt (lower runs first) for the priority and hybrid scheduling policies.
+        lora_request: the LoRA adapter for every prompt, or one per prompt (None: the base model); the engine
+        needs enable_lora."""
         prompts, salts = _split_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -87,10 +91,16 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts) or not all(isinstance(x, int) and not isinstance(x, bool) for x in priority):
             raise ValueError(f"priority: need one int per prompt ({len(prompts)}), got {priority!r}")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp, prio, salt in zip(prompts, params, priority, salts):
-                ids.append(self.engine.add_request(None, p, sp, priority=prio, cache_salt=salt,
+            for p, sp, prio, salt, lora in zip(prompts, params, priority, salts, loras):
+                ids.append(self.engine.add_request(None, p, sp, priority=prio, cache_salt=salt, lora_request=lora,
                                                    output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             self.engine.abort_request(ids)
@@ -122,8 +132,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate
+        (lora_request: as `generate`'s)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             list(self.engine.tokenizer.apply_chat_template(
@@ -131,7 +143,7 @@ class LLM:
                 return_dict=True)["input_ids"])
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # -- snapshots ----------------------------------------------------------------------------
     def save_state(self, path: str) -> int:

@@ -32,9 +32,11 @@ from jaxpaged.engine.kv_cache_sizing import (
     num_kv_blocks,
     offload_settings,
 )
+from jaxpaged.engine.lora_registry import LoRARegistry
 from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
 from jaxpaged.layers.attention import empty_kv_pool_soon
 from jaxpaged.layers.backends import resolve_attention_backend, resolve_kernel_backend
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
 from jaxpaged.models.registry import (
@@ -129,10 +131,14 @@ class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none are unfinished."""
 
     def __init__(self, config: EngineConfig, tokenizer, model, *, stub: bool = False, draft_model=None,
-                 kv_pool=None):
-        """model: the model, or a list of copies on disjoint devices (data parallelism: a replica each);
-        kv_pool: one model's KV pool being zeroed already (a Future, `empty_kv_pool_soon`), or None."""
+                 kv_pool=None, lora_base_config: ModelConfig | None = None):
+        """model: the model, or a list of copies on disjoint devices (data parallelism: a replica each), with a
+        LoRA stack where config.lora is set (`add_lora_stack`); kv_pool: one model's KV pool being zeroed already
+        (a Future, `empty_kv_pool_soon`), or None. lora_base_config: the model's config before tensor parallelism
+        replicated its KV heads (what adapters are checked against; default config.model_config)."""
         self.config = config
+        self.loras = (LoRARegistry(lora_base_config or config.model_config, config.lora) if config.lora is not None
+                      else None)
         self.tokenizer = tokenizer
         mc = config.model_config
         self.structured = StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -172,6 +178,7 @@ class LLMEngine:
         device (`jaxpaged bench host`).
         """
         path, model_config, tokenizer, sched, draft_config = setup or prepare_model(args)
+        setup_config = model_config  # (adapters are checked against the checkpoint's shapes)
         t0 = time.perf_counter()
         attention_backend = resolve_attention_backend(args.attention_backend)
         sampler_backend = resolve_kernel_backend(args.sampler_backend)
@@ -187,6 +194,10 @@ class LLMEngine:
                                   attention_backend=attention_backend, mesh=mesh)
                       for mesh in replica_meshes(args.tensor_parallel_size, args.data_parallel_size)]
             del weights
+            if args.enable_lora:  # (before the KV pool is sized: the stack's memory counts)
+                lora = args.resolved_lora_config()
+                for m in models:
+                    m.add_lora_stack(lora.max_loras, lora.max_lora_rank)
             model = models[0]
             model_config = model.cfg  # (tensor parallelism: KV heads replicated up to the devices, where fewer)
             logger.info("Loaded %s (%s, %s weights, %s activations) in %.1f s", path, model_config.architecture,
@@ -235,9 +246,10 @@ class LLMEngine:
             speculative=args.resolved_speculative_config(),
             draft_model_config=draft_config,
             load_format=args.load_format,
+            lora=args.resolved_lora_config(),
         )
         return cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
-                   draft_model=draft_model, kv_pool=kv_pool)
+                   draft_model=draft_model, kv_pool=kv_pool, lora_base_config=setup_config)
 
     def wait_for_steps(self) -> None:
         """Wait for the steps the step cache still loads in the background after warmup (a warm start serves at
@@ -257,18 +269,28 @@ class LLMEngine:
         faults.check("tokenizer")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def resolve_lora(self, lora_request: LoRARequest | None):
+        """The adapter a request names (loaded and checked: ValueError naming what is wrong), or None."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        return self.loras.resolve(lora_request)
+
     def make_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                       priority: int = 0, tenant: str | None = None, cache_salt: str | None = None,
-                      ) -> tuple[str | None, list[int], list[Request]]:
+                      lora_request: LoRARequest | None = None) -> tuple[str | None, list[int], list[Request]]:
         """Tokenize and validate a prompt, and make its n core requests (bad input raises ValueError). tenant: the
         server's tenant whose KV share the requests count against (`set_kv_shares`). cache_salt: vLLM's, a
         non-empty string mixed into the first block's hash, so only requests with the same salt share cached
-        prefix blocks (one tenant's prompts cannot be probed by another's timing)."""
+        prefix blocks (one tenant's prompts cannot be probed by another's timing). lora_request: the LoRA adapter
+        the requests run with (`resolve_lora`; read from its folder the first time)."""
         check_cache_salt(cache_salt)
         text, ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         if (cut := params.truncated(ids, self.config.scheduler_config.max_model_len)) is not ids:
             text, ids = None, cut
         self.validate_prompt(ids, params, tenant)
+        lora = self.resolve_lora(lora_request)
         if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         base_seed = row_seed(params.seed) if params.seed is not None else int(self._seed_rng.integers(2**31))
@@ -280,7 +302,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(Request(child_id, ids, params, seed=seed, prompt=text, priority=priority, tenant=tenant,
                                     cache_salt=cache_salt, eos_token_ids=self.config.model_config.eos_token_ids,
-                                    processor_rows=rows,
+                                    processor_rows=rows, lora=lora,
                                     grammar_matcher=self.structured.matcher(grammar) if grammar else None))
         return text, ids, requests
 
@@ -301,9 +323,10 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError. cache_salt:
-        as `make_requests`'."""
+        """Queue a prompt (text or token ids); returns its request id. Bad input raises ValueError. cache_salt,
+        lora_request: as `make_requests`'."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._ids))
@@ -311,17 +334,19 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if self.output.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        text, ids, requests = self.make_requests(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                                 lora_request=lora_request)
         self.output.add(request_id, text, ids, requests, output_kind)
         self.add_core_requests(requests)
         return request_id
 
     # -- held requests (beam search drives them token by token) ----------------------------
     def add_held_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                         cache_salt: str | None = None) -> Request:
-        """Queue a request whose steps compute logprobs but append no token: the caller appends each next token."""
+                         cache_salt: str | None = None, lora=None) -> Request:
+        """Queue a request whose steps compute logprobs but append no token: the caller appends each next token.
+        lora: its adapter (`resolve_lora`), or None."""
         req = Request(request_id, list(prompt_token_ids), params, seed=0, hold_output=True, cache_salt=cache_salt,
-                      eos_token_ids=self.config.model_config.eos_token_ids)
+                      eos_token_ids=self.config.model_config.eos_token_ids, lora=lora)
         self.scheduler.add_request(req)
         return req
 
@@ -329,7 +354,7 @@ class LLMEngine:
         """A held copy of `parent` (same tokens so far) that shares its blocks until one of them writes."""
         child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, seed=parent.seed,
                         hold_output=True, eos_token_ids=parent.eos_token_ids, cache_salt=parent.cache_salt,
-                        output_token_ids=list(parent.output_token_ids))
+                        output_token_ids=list(parent.output_token_ids), lora=parent.lora)
         self.scheduler.fork(parent, child, parent.num_computed_tokens, share=self.config.share_forked_blocks)
         return child
 

@@ -65,13 +65,20 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch
 
 
 def gated_mlp(x: Float[Array, "T E"], w_gate_up: Float[Array, "E 2F"], w_down: Float[Array, "F E"], *,
-              shards: int = 1, rows: Int[Array, ""] | None = None, activation: str = "silu") -> Float[Array, "T E"]:
+              shards: int = 1, rows: Int[Array, ""] | None = None, activation: str = "silu",
+              adapt=None) -> Float[Array, "T E"]:
     """Gated MLP: down(act(gate(x)) * up(x)), gate and up as one matmul, act SiLU or GELU (`ACTIVATIONS`). Its
     columns come in `shards` groups (tensor parallelism: one per device), each [gate part | up part]; one group
-    is [gate | up]. rows: as `dense`'s."""
+    is [gate | up]. rows: as `dense`'s. adapt(group, input): LoRA updates to add, [gate, up] for "gate_up" and
+    [down] for "down", each in natural column order (`layers/lora.py`), or None."""
     t = x.shape[0]
     gate, up = jnp.split(dense(x, w_gate_up, rows).reshape(t, shards, -1), 2, axis=-1)  # [T, shards, F / shards]
-    return dense((ACTIVATIONS[activation](gate) * up).reshape(t, -1), w_down, rows)
+    if adapt is not None:
+        d_gate, d_up = adapt("gate_up", x)
+        gate, up = gate + d_gate.reshape(gate.shape), up + d_up.reshape(up.shape)
+    h = (ACTIVATIONS[activation](gate) * up).reshape(t, -1)
+    out = dense(h, w_down, rows)
+    return out if adapt is None else out + adapt("down", h)[0]
 
 
 def moe_mlp(x: Float[Array, "T E"], router: Float[Array, "E X"], w_gate_up: Float[Array, "X E 2F"],

@@ -23,10 +23,19 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
-from jaxpaged.distributed.tensor_parallel import AXIS, POOL_SPEC, mesh_size, param_sharding, replicated
+from jaxpaged.distributed.tensor_parallel import (
+    AXIS,
+    POOL_SPEC,
+    lora_sharding,
+    mesh_size,
+    param_sharding,
+    replicated,
+)
 from jaxpaged.layers.attention import paged_attention, write_kv
 from jaxpaged.layers.dense import cpu_layout, dense, gated_mlp, moe_mlp, rms_norm
+from jaxpaged.layers.lora import a_name, adapter_slices, lora_deltas, lora_shapes, slot_gate, write_slot
 from jaxpaged.layers.rope import apply_rope, model_rope_angles
+from jaxpaged.models.lora_adapter import LoRAAdapter, module_dims
 
 # Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
 LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
@@ -86,6 +95,7 @@ class AttentionMetadata:
 def forward(
     cfg: ModelConfig, params: dict, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"],
     meta: AttentionMetadata, *, attention_backend: str = "reference", kv_chunk: int = 32, mesh=None,
+    lora_slots: Int[Array, "T"] | None = None,
 ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
     """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool.
 
@@ -93,6 +103,8 @@ def forward(
     weights under "layers" (stacked [L, ...] and scanned over with `lax.scan`, or a list of per-layer dicts).
     mesh: tensor parallelism (`distributed/tensor_parallel.py`): params sharded as `model_params(..., mesh=mesh)`
     places them and the pool by KV heads; the KV write and the attention run per shard.
+    lora_slots: each token's adapter slot in the layers' LoRA stack (`layers/lora.py`; -1: the base model), for
+    a model with one (`LlamaForCausalLM.add_lora_stack`); None: no adapter.
     """
     t = token_ids.shape[0]
     h, kh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -128,6 +140,10 @@ def forward(
     x = x.astype(cfg.compute_dtype)
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     rows = meta.num_real_tokens
+    first = params["layers"][0] if isinstance(params["layers"], (list, tuple)) else params["layers"]
+    gate = None  # [T, S] each token's adapter slot, one-hot
+    if lora_slots is not None and a_name("qkv") in first:
+        gate = slot_gate(lora_slots, first[a_name("qkv")].shape[-2], x.dtype)
 
     def scaled(y):  # a block's output into the residual stream: Granite's residual_multiplier, a float32 product
         return y if cfg.residual_scale == 1.0 else (y.astype(jnp.float32) * cfg.residual_scale).astype(y.dtype)
@@ -144,6 +160,9 @@ def forward(
         if cfg.qkv_bias:
             qkv = qkv + w["bqkv"]
         q, k, v = jnp.split(qkv.reshape(t, tp, -1), [h * d // tp, (h + kh) * d // tp], axis=-1)
+        if gate is not None:  # (each delta in natural head order: tp groups of whole heads, as q/k/v's)
+            dq, dk, dv = lora_deltas(y, w, "qkv", gate)
+            q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
         q, k = q.reshape(t, h, d), k.reshape(t, kh, d)
         if cfg.qk_norm:  # (per head, over head_dim; before RoPE)
             q, k = rms_norm(q, w["q_norm"], eps, offset), rms_norm(k, w["k_norm"], eps, offset)
@@ -157,6 +176,8 @@ def forward(
         if kv_scale is not None:  # ... and v_scale into the output
             a = (a.reshape(t, kh, h // kh, d) * vs[:, None, None].astype(a.dtype)).reshape(t, h, d)
         o = dense(a.reshape(t, h * d), w["wo"], rows)
+        if gate is not None:
+            o = o + lora_deltas(a.reshape(t, h * d), w, "o", gate)[0]
         if cfg.o_bias:
             o = o + w["bo"]
         if cfg.sandwich_norms:
@@ -175,7 +196,10 @@ def forward(
                           normalize=cfg.norm_topk_prob, round_weights=cfg.round_router_weights, shards=tp, rows=rows,
                           activation=cfg.hidden_act)
         if cfg.dense_mlp:
-            d = gated_mlp(y, w["w_gate_up"], w["w_down"], shards=tp, rows=rows, activation=cfg.hidden_act)
+            adapt = None if gate is None or a_name("gate_up") not in w else (
+                lambda group, z: lora_deltas(z, w, group, gate))
+            d = gated_mlp(y, w["w_gate_up"], w["w_down"], shards=tp, rows=rows, activation=cfg.hidden_act,
+                          adapt=adapt)
             if cfg.shared_expert:
                 d = d * jax.nn.sigmoid(dense(y, w["shared_gate"], rows))
             out = d if out is None else out + d
@@ -354,6 +378,53 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.layers = LlamaLayers(params["layers"])
         self.kv_scale = None  # fp8 KV scales [L, 2, KH] (`set_kv_scales`)
+        self.lora_slots = 0  # adapters the layers' LoRA stack holds (`add_lora_stack`); 0: none
+
+    def add_lora_stack(self, num_slots: int, max_rank: int) -> None:
+        """Give every layer an empty LoRA stack: `num_slots` adapters of rank up to `max_rank` resident at once
+        (`layers/lora.py`), in the activations' dtype, sharded with their layers under a mesh. Before the engine
+        splits the model (a change of the state's structure recompiles)."""
+        cfg = self.cfg
+        shapes = lora_shapes(module_dims(cfg), num_slots, max_rank, mlp=cfg.dense_mlp and not cfg.num_experts)
+        dtype = jnp.dtype(cfg.compute_dtype)
+        stacked = isinstance(self.layers, LlamaLayers)
+        for layer in [self.layers] if stacked else list(self.layers):
+            for name, shape in shapes.items():
+                shape = (cfg.num_layers, *shape) if stacked else shape
+                zeros = np.zeros(shape, dtype)
+                value = jnp.asarray(zeros) if self.mesh is None else place(
+                    zeros, lora_sharding(self.mesh, name, shape, stacked))
+                setattr(layer, name, nnx.Param(value))
+        self.lora_slots = num_slots
+
+    def write_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` (host arrays, `models/lora_adapter.py`) into slot `slot` of the LoRA stack. The stack's
+        arrays are replaced, not written in place: a step still in flight reads the old ones."""
+        stacked = isinstance(self.layers, LlamaLayers)
+        containers = [self.layers] if stacked else list(self.layers)
+        names = {n for n in vars(containers[0]) if n.startswith("lora_")}
+        b = dict(adapter.b)
+        kh, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        for part in ("k", "v"):  # (tensor parallelism replicated the KV heads up to the devices: their B too)
+            heads = b[part].shape[-1] // d
+            if heads != kh:
+                b[part] = np.repeat(b[part].reshape(*b[part].shape[:-1], heads, d), kh // heads, axis=-2).reshape(
+                    *b[part].shape[:-1], kh * d)
+        values = adapter_slices(adapter.a, b, names)
+        for i, layer in enumerate(containers):
+            for name, value in values.items():
+                param = getattr(layer, name)
+                param.value = write_slot(param.value, name, value if stacked else value[i], slot, stacked)
+
+    def warm_lora_writes(self) -> None:
+        """Compile `write_lora`'s slot writes (warmup): slot 0 written with its own contents."""
+        stacked = isinstance(self.layers, LlamaLayers)
+        for layer in [self.layers] if stacked else list(self.layers):
+            for name in [n for n in vars(layer) if n.startswith("lora_")]:
+                param = getattr(layer, name)
+                axis = (2 if name.startswith("lora_a_") else 0) + (1 if stacked else 0)
+                value = np.asarray(jnp.take(param.value, 0, axis=axis))
+                param.value = write_slot(param.value, name, value, 0, stacked)
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """Use fp8 KV scales [L, 2, KH] (models/kv_scales.py): K and V are stored divided by them. Before the
@@ -380,11 +451,13 @@ class LlamaForCausalLM(nnx.Module):
         return out
 
     def __call__(
-        self, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"], meta: AttentionMetadata
+        self, token_ids: Int[Array, "T"], kv_pool: Float[Array, "L 2 N bs KH D"], meta: AttentionMetadata,
+        lora_slots: Int[Array, "T"] | None = None,
     ) -> tuple[Float[Array, "T E"], Float[Array, "L 2 N bs KH D"]]:
-        """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool."""
+        """Run all layers on a flat batch of tokens; returns final hidden states and the updated pool.
+        lora_slots: each token's adapter slot (-1: none), with a LoRA stack."""
         return forward(self.cfg, self.params(), token_ids, kv_pool, meta, attention_backend=self.attention_backend,
-                       kv_chunk=self.kv_chunk, mesh=self.mesh)
+                       kv_chunk=self.kv_chunk, mesh=self.mesh, lora_slots=lora_slots)
 
     def compute_logits(self, hidden: Float[Array, "S E"], rows: Int[Array, ""] | None = None) -> Float[Array, "S V"]:
         """Vocabulary logits in float32 (on every device, under a mesh); rows: only the first rows' are needed."""

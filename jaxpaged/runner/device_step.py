@@ -36,7 +36,7 @@ def device_step(graphdef, draft_graphdef, logprobs_mode, sampler_backend, spec_w
     token_ids = jnp.where(inp.from_device, last_token[jnp.minimum(rows, last_token.shape[0] - 1)], inp.token_ids)
     model = nnx.merge(graphdef, state)
     row_state = update_row_state(row_state, inp.sampling.processors, token_ids)
-    hidden, kv_pool = model(token_ids, kv_pool, inp.attn)
+    hidden, kv_pool = model(token_ids, kv_pool, inp.attn, inp.lora_slots if getattr(model, "lora_slots", 0) else None)
     out = sample_rows(model, hidden, inp, row_state, bitmask, logprobs_mode=logprobs_mode, backend=sampler_backend,
                       features=features)
     spec = None

@@ -40,6 +40,7 @@ class InputBatch:
         self.use_bias = np.zeros(num_rows, bool)
         self.min_tokens = np.zeros(num_rows, np.int32)
         self.held = np.zeros(num_rows, bool)  # a beam: its owner appends each token, not the runner
+        self.lora_slot = np.full(num_rows, -1, np.int32)  # the slot of the device's LoRA stack it runs with; -1: none
         self.requests: list[Request | None] = [None] * num_rows
         self.row_of: dict[str, int] = {}
         self._free = list(range(num_rows - 1, -1, -1))
@@ -72,6 +73,7 @@ class InputBatch:
         self.use_bias[row] = p.needs_bias_row
         self.min_tokens[row] = min(p.min_tokens, MAX_INT32)  # (past the context: EOS never before its end)
         self.held[row] = req.hold_output
+        self.lora_slot[row] = req.lora_slot
         return row
 
     def remove(self, request_id: str) -> None:

@@ -27,6 +27,7 @@ class StepInput:
 
     token_ids: Int[Array, "T"]  # (a placeholder's id is taken from the device, see from_device)
     from_device: Bool[Array, "T"]  # the token is the one its row drew in the previous step (not known on host)
+    lora_slots: Int[Array, "T"]  # each token's slot in the device's LoRA stack; -1: the base model (and padding)
     attn: AttentionMetadata
     logits_indices: Int[Array, "S"]  # flat index of each sequence's last scheduled token
     next_prompt_ids: Int[Array, "T"]  # for prompt_logprobs: the prompt token after each fed token, else -1
@@ -141,6 +142,7 @@ def build_step_input(batch: InputBatch, rows: np.ndarray, n: np.ndarray, start: 
     inp = StepInput(
         token_ids=token_ids,
         from_device=from_device,
+        lora_slots=padded(batch.lora_slot[tok_row], num_tokens, -1, np.int32),
         attn=AttentionMetadata(
             positions=padded(tok_pos, num_tokens, 0, np.int32),
             slot_mapping=padded(slots, num_tokens, geo.pad_slot, np.int32),

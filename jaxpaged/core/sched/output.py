@@ -59,6 +59,8 @@ class SchedulerOutput:
     # speculative decoding: index in `requests` -> the draft tokens the step verifies after the request's last
     # token (they are the last of its num_new_tokens; it draws after the last accepted one)
     spec_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # LoRA adapters to load before this step: (slot of the device's LoRA stack, the adapter), `core/lora_slots.py`
+    lora_loads: list[tuple[int, object]] = field(default_factory=list)
 
     def add(self, req: Request, n: int, start: int, samples: bool, block_ids: list[int] | None = None,
             new_block_ids: list[int] | None = None) -> None:

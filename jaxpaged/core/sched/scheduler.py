@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.kv_shares import KVShares
+from jaxpaged.core.lora_slots import LoRASlots
 from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.core.sched.prefill_budget import prefill_budget
 from jaxpaged.core.sched.request_queue import WaitingQueue, policy_rank, predicted_work
@@ -37,7 +38,8 @@ from jaxpaged.request import Request, RequestStatus
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each gets."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, num_lora_slots: int = 0):
+        """num_lora_slots: adapters the device's LoRA stack holds at once (0: no LoRA)."""
         self.config = config
         self.kv = kv_cache_manager
         self.waiting = WaitingQueue(config.policy, self.rank)
@@ -49,6 +51,7 @@ class Scheduler:
         self._buckets = config.token_buckets()  # the runner's padded step sizes
         self.shares: KVShares | None = None  # tenants' KV shares (core/kv_shares.py), when the server has tenants
         self.step_costs: StepCosts | None = None  # measured step times (set_step_costs)
+        self.loras = LoRASlots(num_lora_slots) if num_lora_slots else None  # which adapters are resident
 
     def set_kv_shares(self, shares: dict[str, tuple[float, float]] | None) -> None:
         """Enforce tenants' (min, max) fractions of the KV pool from now on (None: no tenants)."""
@@ -307,6 +310,9 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []  # waiting for a token in flight (preempted in async mode): they stay first
+        # Once a request waits for an adapter slot, no other adapter's request is admitted this step, so the
+        # pinned slots drain and it is not passed over for as long as other adapters' traffic lasts.
+        lora_blocked = False
         if self.shares is not None:  # (once per step: tenants' blocks, kept up to date below, and who waits)
             used = self.shares.usage(self.running, self.kv.req_to_blocks)
             waiting_tenants = {r.tenant for r in self.waiting}
@@ -316,6 +322,10 @@ class Scheduler:
                 break
             if req.num_output_placeholders:
                 skipped.append(self.waiting.pop())
+                continue
+            if req.lora is not None and (lora_blocked or not self.loras.can_take(req.lora.fingerprint)):
+                lora_blocked = True
+                skipped.append(self.waiting.pop())  # (the base model's requests still run meanwhile)
                 continue
             if self.kv.is_swapped(req):  # resumes where it stopped, its blocks copied back from host memory
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -356,6 +366,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.needs_full_table = True
             self.running.append(req)
+            self._take_lora_slot(req, out)
             if self.shares is not None and self.shares.applies(req.tenant):
                 used[req.tenant] += len(self.kv.req_to_blocks.get(req.request_id, ()))
             if n:  # (a swapped-in held request may have nothing to compute yet)
@@ -363,6 +374,19 @@ class Scheduler:
             budget -= n
         for req in reversed(skipped):
             self.waiting.add(req, front=True)
+
+    def _take_lora_slot(self, req: Request, out: SchedulerOutput | None) -> None:
+        """Pin the slot of a request that starts running with an adapter; a slot that must be (re)loaded goes
+        to the runner with this step (`lora_loads`)."""
+        if req.lora is not None:
+            req.lora_slot, load = self.loras.take(req.lora.fingerprint)
+            if load:
+                out.lora_loads.append((req.lora_slot, req.lora))
+
+    def _release_lora_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _with_lookahead(self, n: int, start: int) -> int:
         """Slots to hold for `n` tokens from `start` and the draft model's lookahead after them (within
@@ -384,6 +408,7 @@ class Scheduler:
         child.needs_full_table = True
         self.requests[child.request_id] = child
         self.running.append(child)
+        self._take_lora_slot(child, None)  # (the running parent pins the adapter's slot: it is resident)
 
     def _pick_victim(self, start: int) -> Request:
         """The running request to preempt, among those not yet scheduled: the newest (fcfs), else the last in
@@ -402,6 +427,7 @@ class Scheduler:
         """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),
         else free them and recompute it later."""
         self.running.remove(req)
+        self._release_lora_slot(req)
         swap = (self.config.preemption_mode == "swap" and req.prefix_cacheable and not req.hold_output
                 and self.kv.can_swap_out(req))  # (a held beam may be forked while waiting: it keeps no host copy)
         if swap:
@@ -493,6 +519,7 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._release_lora_slot(req)
         self._finished_ids.append(req.request_id)
         req.status = status
         self.kv.free(req)
