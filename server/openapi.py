@@ -56,7 +56,14 @@ def openapi_document(version: str) -> dict:
         "/metrics": _get("Prometheus metrics", None, "metrics", text="Prometheus text format"),
         "/tokenizer_info": _get("The tokenizer's special tokens, chat template and size", None, "tokenizerInfo"),
         "/openapi.json": _get("This document", None, "openapi"),
+        "/v1/load_lora_adapter": _post("Serve a LoRA adapter (PEFT folder) under a name (text reply)",
+                                       "LoadLoRAAdapterRequest", None, "loadLoraAdapter"),
+        "/v1/unload_lora_adapter": _post("Stop serving a LoRA adapter (text reply)", "UnloadLoRAAdapterRequest",
+                                         None, "unloadLoraAdapter"),
     }
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # (403: --allow-runtime-lora-updating is off)
+        paths[path]["post"]["responses"]["403"] = {"description": "runtime LoRA updating is off",
+                                                   "content": {_JSON: {"schema": _ref("ErrorResponse")}}}
     return {"openapi": "3.1.0",
             "info": {"title": "jaxpaged OpenAI-compatible server", "version": version},
             "paths": paths,

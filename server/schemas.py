@@ -155,9 +155,14 @@ def optional_fields_nullable(schema: dict) -> dict:
     return {**schema, "properties": props}
 
 
+LOAD_LORA_REQUEST = {"type": "object", "required": ["lora_name", "lora_path"],
+                     "properties": {"lora_name": STR, "lora_path": STR}}
+UNLOAD_LORA_REQUEST = {"type": "object", "required": ["lora_name"], "properties": {"lora_name": STR}}
+
 REQUESTS = {name: optional_fields_nullable(s) for name, s in [
     ("CompletionRequest", COMPLETION_REQUEST), ("ChatCompletionRequest", CHAT_REQUEST),
-    ("TokenizeRequest", TOKENIZE_REQUEST), ("DetokenizeRequest", DETOKENIZE_REQUEST)]}
+    ("TokenizeRequest", TOKENIZE_REQUEST), ("DetokenizeRequest", DETOKENIZE_REQUEST),
+    ("LoadLoRAAdapterRequest", LOAD_LORA_REQUEST), ("UnloadLoRAAdapterRequest", UNLOAD_LORA_REQUEST)]}
 
 # ---- responses ------------------------------------------------------------------------------------------
 
@@ -211,7 +216,7 @@ MODEL_LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {
         "type": "object", "required": ["id", "object"],
         "properties": {"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR,
-                       "max_model_len": INT}}}}}
+                       "max_model_len": INT, "root": STR, "parent": STR}}}}}
 TOKENIZE = {"type": "object", "required": ["count", "tokens"], "properties": {
     "count": INT, "max_model_len": INT, "tokens": TOKEN_IDS, "token_strs": {"type": "array", "items": STR}}}
 DETOKENIZE = {"type": "object", "required": ["prompt"], "properties": {"prompt": STR}}

@@ -30,10 +30,12 @@ STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}}
 
 
 def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
-                 temperature: float = 1.0, structured_fraction: float = 0.0, profile_dir: str | None = None) -> dict:
+                 temperature: float = 1.0, structured_fraction: float = 0.0, profile_dir: str | None = None,
+                 lora_requests: list | None = None) -> dict:
     """Generate the workload with `LLM.generate` (EOS ignored, n samples each); the first `structured_fraction`
     of every ten requests constrained to STRUCTURED_SCHEMA. profile_dir: a JAX profiler trace of the timed run
-    written there (device kernels and host threads, for TensorBoard's profile plugin or xprof)."""
+    written there (device kernels and host threads, for TensorBoard's profile plugin or xprof). lora_requests: each
+    request's LoRA adapter (None: the base model)."""
     import contextlib
 
     import jax
@@ -50,7 +52,7 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
               for i, r in enumerate(reqs)]
     with jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext():
         t0 = time.perf_counter()
-        outs = llm.generate([r.prompt_token_ids for r in reqs], params)
+        outs = llm.generate([r.prompt_token_ids for r in reqs], params, lora_request=lora_requests)
         wall = time.perf_counter() - t0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == n * sum(r.output_len for r in reqs), "jaxpaged generated a different number of tokens"
@@ -180,6 +182,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-speculative", default=None, metavar="JSON",
                    help="run jaxpaged without, then with this speculative_config (e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}'), and compare; reports the mean acceptance length")
+    p.add_argument("--compare-lora", type=int, default=None, metavar="N",
+                   help="the workload over N random LoRA adapters and the base model, against the base model alone")
+    p.add_argument("--lora-rank", type=int, default=16, help="with --compare-lora: the adapters' rank")
     p.add_argument("--workload", choices=["random", "copy"], default="random",
                    help="random: random-token prompts (--input-len, --output-len); copy: chat prompts asking to "
                         "repeat a paragraph word for word (output: its length, capped by the upper --output-len)")
@@ -237,6 +242,10 @@ def main(ns: argparse.Namespace) -> list[dict]:
         results = compare_offload(engine_args, prefix, suffix_len, vocab, ns.seed)
         write_json(results, ns.output_json)
         return results
+    if ns.compare_lora:
+        from jaxpaged.bench.lora import compare_lora
+
+        return _report(compare_lora(reqs, engine_args, ns.compare_lora, ns.lora_rank, ns.temperature, run_jaxpaged), ns)
     if ns.compare_prefix_caching:
         import dataclasses
 

@@ -58,6 +58,18 @@ class LoRASlots:
             self.holder[slot] = None if self.users[slot] == 0 else f"(unloaded) {fingerprint}"
             self.released_at[slot] = -1
 
+    def pin(self, req, loads: list) -> None:
+        """Pin the slot of a request that starts running with an adapter (`req.lora`) as `req.lora_slot`; a
+        slot that must be (re)loaded is appended to `loads` as (slot, adapter), for the runner."""
+        req.lora_slot, load = self.take(req.lora.fingerprint)
+        if load:
+            loads.append((req.lora_slot, req.lora))
+
+    def unpin(self, req) -> None:
+        """A request that stopped running gives its slot back."""
+        self.release(req.lora_slot)
+        req.lora_slot = -1
+
     @property
     def resident(self) -> int:
         """Slots holding an adapter."""

@@ -34,6 +34,7 @@ from jaxpaged.engine.kv_cache_sizing import (
 )
 from jaxpaged.engine.lora_registry import LoRARegistry
 from jaxpaged.engine.output_processor import OutputProcessor, RequestOutputKind
+from jaxpaged.engine.processor_rows import processor_rows
 from jaxpaged.layers.attention import empty_kv_pool_soon
 from jaxpaged.layers.backends import resolve_attention_backend, resolve_kernel_backend
 from jaxpaged.lora_request import LoRARequest
@@ -294,7 +295,7 @@ class LLMEngine:
         if params.n > 1 and params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         base_seed = row_seed(params.seed) if params.seed is not None else int(self._seed_rng.integers(2**31))
-        rows = self._processor_rows(params)  # read-only, shared by the n samples
+        rows = processor_rows(params, self.config.model_config, self.tokenizer)  # read-only, shared by the n samples
         grammar = self.structured.grammar(params.structured_outputs) if params.structured_outputs else None
         requests = []
         for i in range(params.n):
@@ -360,33 +361,6 @@ class LLMEngine:
 
     def abort_held_request(self, req: Request) -> None:
         self.scheduler.abort_requests([req.request_id])
-
-    def _processor_rows(self, params: SamplingParams):
-        """Dense (bias, min_tokens mask) rows [V] for requests that use those features, else None."""
-        if not params.needs_bias_row and params.min_tokens == 0:
-            return None
-        vocab = self.config.model_config.vocab_size
-        bias = np.zeros(vocab, np.float32)
-        if params.allowed_token_ids is not None:
-            bad = [t for t in params.allowed_token_ids if t >= vocab]
-            if bad:
-                raise ValueError(f"allowed_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})")
-            bias[:] = -np.inf
-            bias[params.allowed_token_ids] = 0.0
-        for tok, b in (params.logit_bias or {}).items():
-            if not 0 <= tok < vocab:
-                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary [0, {vocab})")
-            bias[tok] += b
-        for word in params.bad_words or []:
-            for variant in (word, " " + word):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if len(ids) == 1:  # multi-token bad words are not masked (see README)
-                    bias[ids[0]] = -np.inf
-        min_mask = np.zeros(vocab, bool)
-        if params.min_tokens:
-            stop_ids = [t for t in (*self.config.model_config.eos_token_ids, *params.stop_token_ids) if t < vocab]
-            min_mask[stop_ids] = True
-        return bias, min_mask
 
     def set_kv_shares(self, shares: dict[str, tuple[float, float]] | None) -> None:
         """Tenants' (min, max) fractions of the KV pool, enforced by every replica's scheduler (core/kv_shares.py)."""

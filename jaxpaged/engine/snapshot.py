@@ -29,7 +29,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from jaxpaged.engine.output_processor import RequestOutputKind
+from jaxpaged.engine.processor_rows import processor_rows
 from jaxpaged.kv_offload.identity import model_identity
+from jaxpaged.lora_request import LoRARequest
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
@@ -98,11 +100,13 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
     live = engine.scheduler.requests  # (the engine thread's: it is stopped, or this is it)
     out = []
     for parent in engine.output.parents.values():
-        samples = []
+        samples, lora = [], None
         first = live.get(parent.samples[0].request_id)  # (the first sample is never a pending fork)
         pending = {r.request_id: r for r in first.pending_forks} if first is not None else {}
         for s in parent.samples:
             req = live.get(s.request_id) or pending.get(s.request_id)
+            if req is not None and req.lora is not None:  # (its adapter, by the folder it came from)
+                lora = [req.lora.name, req.lora.lora_id, req.lora.path]
             samples.append({
                 "request_id": s.request_id, "seed": s.seed,
                 "output_token_ids": list(s.token_ids),
@@ -118,7 +122,7 @@ def capture_requests(engine: LLMEngine) -> list[dict]:
         out.append({"request_id": parent.request_id, "prompt": parent.prompt,
                     "prompt_token_ids": list(parent.prompt_token_ids), "kind": parent.kind.name,
                     "priority": parent.priority, "tenant": parent.tenant, "cache_salt": parent.cache_salt,
-                    "params": _params_to_json(parent.samples[0].params), "samples": samples})
+                    "params": _params_to_json(parent.samples[0].params), "samples": samples, "lora": lora})
     return out
 
 
@@ -142,18 +146,19 @@ def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutpu
                 raise ValueError(f"load_state: request_id {rid!r} is already in use in this engine")
             params = SamplingParams(**d["params"])
             engine.validate_prompt(d["prompt_token_ids"], params, d.get("tenant"))
-            rows = engine._processor_rows(params)
+            rows = processor_rows(params, engine.config.model_config, engine.tokenizer)
             grammar = engine.structured.grammar(params.structured_outputs) if params.structured_outputs else None
+            lora = engine.resolve_lora(LoRARequest(*d["lora"])) if d.get("lora") else None
         except ValueError as e:
             if on_invalid is None:
                 raise
             on_invalid(d, e)
             continue
-        plans.append((d, params, rows, grammar))
+        plans.append((d, params, rows, grammar, lora))
     return [_restore_one(engine, *plan, kind, queue or engine.scheduler.add_requests) for plan in plans]
 
 
-def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, grammar: str | None,
+def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, grammar: str | None, lora,
                  kind: RequestOutputKind | None, queue) -> str:
     prompt_ids = list(d["prompt_token_ids"])
     structured = engine.structured
@@ -163,7 +168,7 @@ def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, gramm
         outputs = list(s["output_token_ids"])
         req = Request(s["request_id"], prompt_ids, params, seed=s["seed"], prompt=d["prompt"],
                       priority=d["priority"], tenant=d.get("tenant"), cache_salt=d.get("cache_salt"),
-                      eos_token_ids=engine.config.model_config.eos_token_ids, processor_rows=rows,
+                      eos_token_ids=engine.config.model_config.eos_token_ids, processor_rows=rows, lora=lora,
                       output_token_ids=outputs, arrival_time=now,
                       output_logprobs=[tuple(x) for x in s["output_logprobs"]],
                       prompt_logprob_rows=[tuple(x) for x in s["prompt_logprob_rows"]],

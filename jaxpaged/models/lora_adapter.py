@@ -71,7 +71,7 @@ def _pattern_value(pattern: dict, module_path: str, default):
 
 def read_adapter_config(name: str, path: str) -> dict:
     """adapter_config.json of the adapter folder `path`, checked for what this engine runs (LoRAError else)."""
-    if not isinstance(path, str) or not os.path.isdir(path):
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         raise LoRAError(f"LoRA adapter {name!r}: {path!r} is not a folder")
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
@@ -106,6 +106,7 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
     from safetensors.numpy import load_file
 
     config = read_adapter_config(name, path)
+    path = os.fspath(path)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         other = [f for f in ("adapter_model.bin", "adapter_model.pt") if os.path.isfile(os.path.join(path, f))]

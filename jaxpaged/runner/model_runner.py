@@ -42,6 +42,7 @@ from jaxpaged.runner.compilation import (
     enable_persistent_compilation_cache,
 )
 from jaxpaged.runner.input_batch import InputBatch
+from jaxpaged.runner.lora_loads import load_loras, warm_lora_writes
 from jaxpaged.runner.step_cache import StepCache, step_cache_dir
 from jaxpaged.runner.step_input import (
     StepGeometry,
@@ -171,15 +172,6 @@ class ModelRunner:
                 self.channel.send_rows(row, bias, min_mask)
             self.row_state = self._write_rows(self.row_state, np.int32(row), bias, min_mask)
 
-    def load_lora(self, slot: int, adapter) -> None:
-        """Put a LoRA adapter (`models.lora_adapter.LoRAAdapter`) into slot `slot` of the model's LoRA stack: new
-        arrays of the same shapes in the state the steps take (no recompile; a step in flight keeps the old)."""
-        if self.channel is not None:
-            raise RuntimeError("LoRA adapters with several processes are not supported")
-        model = nnx.merge(self.graphdef, self.state)
-        model.write_lora(slot, adapter)
-        _, self.state = nnx.split(model)
-
     def copy_chunk(self, pairs: list[tuple[int, int]]) -> None:
         """Copy up to `CHUNK` blocks src -> dst in the KV pool."""
         with self._call():
@@ -271,10 +263,7 @@ class ModelRunner:
                                                   np.zeros(v, bool)).compile()
         self.transfer = BlockTransfer(self._pool_spec)
         self.draft_transfer = BlockTransfer(self.draft_pool) if self.draft_pool is not None else None
-        model = nnx.merge(self.graphdef, self.state)
-        if getattr(model, "lora_slots", 0):  # (the adapter loads' writes, compiled now rather than on first use)
-            model.warm_lora_writes()
-            _, self.state = nnx.split(model)
+        self.state = warm_lora_writes(self.graphdef, self.state)  # (compiled now rather than at the first load)
         if cached:
             logger.info("%d of %d step buckets are in the step cache %s (loading in the background)", len(cached),
                         len(self.buckets), cache.dir)
@@ -368,8 +357,8 @@ class ModelRunner:
             batch.remove(rid)
         if out.moves_blocks and not self.stub:
             self._move_blocks(out)
-        for slot, adapter in out.lora_loads if not self.stub else ():
-            self.load_lora(slot, adapter)
+        if out.lora_loads and not self.stub:  # (several processes never get here: `EngineArgs.validate`)
+            self.state = load_loras(self.graphdef, self.state, out.lora_loads)
         if out.is_empty:
             return None
         reset = np.zeros(self.num_rows, bool)

@@ -21,8 +21,10 @@ ENGINE_ARGS = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=
 
 
 class LiveServer:
-    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None, kv_pull_from=None, chat=None):
+    def __init__(self, engine: AsyncLLM, api_key: str | None, tenants=None, kv_pull_from=None, chat=None,
+                 app_kw: dict | None = None):
         self.engine = engine
+        self.app_kw = app_kw or {}  # more of create_app's options (LoRA modules)
         self.chat = chat
         self.tenants = tenants
         self.kv_pull_from = kv_pull_from
@@ -39,7 +41,7 @@ class LiveServer:
     def _run(self, api_key):
         asyncio.set_event_loop(self.loop)
         app = create_app(self.engine, model_name="tiny", api_key=api_key, tenants=self.tenants,
-                         kv_pull_from=self.kv_pull_from, chat=self.chat)
+                         kv_pull_from=self.kv_pull_from, chat=self.chat, **self.app_kw)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
@@ -69,12 +71,12 @@ def post(server, path: str, body: dict, status: int = 200):
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, tenants=None, kv_pull_from=None, chat=None, **engine_args):
+def serving(model_dir: str, tenants=None, kv_pull_from=None, chat=None, app_kw: dict | None = None, **engine_args):
     """A LiveServer over the model at `model_dir` (ENGINE_ARGS, updated by `engine_args`; API_KEY; `tenants`;
-    the prefill instances it may pull KV blocks from; the tool and reasoning flags, a ChatOptions), stopped on
-    exit."""
+    the prefill instances it may pull KV blocks from; the tool and reasoning flags, a ChatOptions; app_kw: more
+    `create_app` options), stopped on exit."""
     args = EngineArgs(model=model_dir, **{**ENGINE_ARGS, **engine_args})
-    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants, kv_pull_from, chat)
+    server = LiveServer(AsyncLLM.from_engine_args(args), API_KEY, tenants, kv_pull_from, chat, app_kw)
     try:
         yield server
     finally:

@@ -29,6 +29,7 @@ from jaxpaged.core.kv_shares import KVShares
 from jaxpaged.core.lora_slots import LoRASlots
 from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.core.sched.prefill_budget import prefill_budget
+from jaxpaged.core.sched.tenant_room import make_room_for_guarantees
 from jaxpaged.core.sched.request_queue import WaitingQueue, policy_rank, predicted_work
 from jaxpaged.core.sched.stop import check_stop
 from jaxpaged.core.step_costs import StepCosts
@@ -127,7 +128,7 @@ class Scheduler:
                                                   out.samples.append)
         shares = self.shares
         if shares is not None:
-            self._make_room_for_guarantees(out)
+            make_room_for_guarantees(self, out)
             # Tenants within their minimum first: if one needs a block the pool lacks, the victims (taken from the
             # requests not yet scheduled this step) are then still there to pick from.
             used = shares.usage(running, req_blocks)
@@ -244,27 +245,6 @@ class Scheduler:
         owed = shares.owed(waiting_tenants, used, but=req.tenant)
         return not owed or kv.num_free_blocks - (total - num_hits) >= owed
 
-    def _make_room_for_guarantees(self, out: SchedulerOutput) -> None:
-        """While tenants below their minimum share wait for blocks the pool does not have free, preempt requests of
-        tenants above their own minimum (the furthest over first; its newest, or its last in the policy's order)."""
-        shares, kv = self.shares, self.kv
-        used = shares.usage(self.running, kv.req_to_blocks)
-        need, owed = 0, set()
-        for r in self.waiting:
-            t = r.tenant
-            if shares.applies(t) and t not in owed and used[t] < shares.min[t]:
-                owed.add(t)
-                need += min(shares.min[t] - used[t], cdiv(r.num_tokens, kv.block_size))
-        while need and kv.num_free_blocks < need:
-            over = shares.furthest_over([r for r in self.running if r.tenant not in owed], used)
-            if not over:
-                return
-            victim = self._last_in_policy(over)
-            if shares.applies(victim.tenant):
-                used[victim.tenant] -= len(kv.req_to_blocks.get(victim.request_id, ()))
-            self._preempt(victim, out)
-            out.preempted_ids.append(victim.request_id)
-
     def _num_to_compute(self, req: Request) -> int:
         """Tokens (placeholders included) not yet scheduled; 0 when a token in flight may already be its last."""
         if req.hold_output:
@@ -366,7 +346,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.needs_full_table = True
             self.running.append(req)
-            self._take_lora_slot(req, out)
+            if req.lora is not None:
+                self.loras.pin(req, out.lora_loads)
             if self.shares is not None and self.shares.applies(req.tenant):
                 used[req.tenant] += len(self.kv.req_to_blocks.get(req.request_id, ()))
             if n:  # (a swapped-in held request may have nothing to compute yet)
@@ -374,19 +355,6 @@ class Scheduler:
             budget -= n
         for req in reversed(skipped):
             self.waiting.add(req, front=True)
-
-    def _take_lora_slot(self, req: Request, out: SchedulerOutput | None) -> None:
-        """Pin the slot of a request that starts running with an adapter; a slot that must be (re)loaded goes
-        to the runner with this step (`lora_loads`)."""
-        if req.lora is not None:
-            req.lora_slot, load = self.loras.take(req.lora.fingerprint)
-            if load:
-                out.lora_loads.append((req.lora_slot, req.lora))
-
-    def _release_lora_slot(self, req: Request) -> None:
-        if req.lora_slot >= 0:
-            self.loras.release(req.lora_slot)
-            req.lora_slot = -1
 
     def _with_lookahead(self, n: int, start: int) -> int:
         """Slots to hold for `n` tokens from `start` and the draft model's lookahead after them (within
@@ -408,7 +376,8 @@ class Scheduler:
         child.needs_full_table = True
         self.requests[child.request_id] = child
         self.running.append(child)
-        self._take_lora_slot(child, None)  # (the running parent pins the adapter's slot: it is resident)
+        if child.lora is not None:  # (the running parent pins the adapter's slot: it is resident)
+            self.loras.pin(child, [])
 
     def _pick_victim(self, start: int) -> Request:
         """The running request to preempt, among those not yet scheduled: the newest (fcfs), else the last in
@@ -427,7 +396,8 @@ class Scheduler:
         """Swap the request's blocks to host memory (swap mode, when they fit and its state survives it),
         else free them and recompute it later."""
         self.running.remove(req)
-        self._release_lora_slot(req)
+        if req.lora_slot >= 0:
+            self.loras.unpin(req)
         swap = (self.config.preemption_mode == "swap" and req.prefix_cacheable and not req.hold_output
                 and self.kv.can_swap_out(req))  # (a held beam may be forked while waiting: it keeps no host copy)
         if swap:
@@ -519,7 +489,8 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        self._release_lora_slot(req)
+        if req.lora_slot >= 0:
+            self.loras.unpin(req)
         self._finished_ids.append(req.request_id)
         req.status = status
         self.kv.free(req)
