@@ -32,7 +32,7 @@ from jaxpaged.layers.sampler import filtered_draw, first_argmax
 from jaxpaged.models.llama import AttentionMetadata, compute_logits, forward, model_params
 
 __all__ = ["Config", "KVCache", "load", "load_tokenizer", "pad_batch", "init_cache", "prefill", "decode", "sample",
-           "generate", "with_kv_scales"]
+           "generate", "with_kv_scales", "with_loras"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,38 @@ def with_kv_scales(config: Config, params: dict, tokenizer, kv_cache_dtype: str 
     return {**params, "kv_scale": jnp.asarray(scales)}
 
 
+def with_loras(config: Config, params: dict, adapters: Sequence[str], *, max_rank: int | None = None) -> dict:
+    """`params` with a LoRA stack of the PEFT adapter folders `adapters` (slot i holds adapters[i]); `prefill`,
+    `decode` and `generate` then take `lora_ids` [B], each row's slot (-1: the base model), and rows of different
+    adapters run in one call. max_rank: the stack's width (default: the largest adapter rank). A bad adapter
+    raises a ValueError naming it and the module (`jaxpaged.models.lora_adapter`)."""
+    import os
+
+    from jaxpaged.layers.lora import adapter_slices, lora_shapes
+    from jaxpaged.models.lora_adapter import adapter_rank, load_lora_adapter, module_dims
+
+    cfg = config.model
+    if isinstance(adapters, str) or not adapters:
+        raise ValueError("adapters: give a list of one or more adapter folders")
+    names = [os.path.basename(os.fspath(p).rstrip("/")) for p in adapters]
+    rank = max_rank or max(adapter_rank(n, p) for n, p in zip(names, adapters))
+    loaded = [load_lora_adapter(n, i + 1, p, cfg, rank) for i, (n, p) in enumerate(zip(names, adapters))]
+    shapes = lora_shapes(module_dims(cfg), len(loaded), rank, mlp=cfg.dense_mlp and not cfg.num_experts)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    stacks = {name: np.zeros((cfg.num_layers, *shape), dtype) for name, shape in shapes.items()}  # [L, ...]
+    for slot, adapter in enumerate(loaded):
+        for name, value in adapter_slices(adapter.a, adapter.b, set(shapes)).items():
+            index = [slice(None)] * stacks[name].ndim
+            index[3 if name.startswith("lora_a_") else 1] = slot  # (A [L, K, P, S, R], B [L, S, R, N])
+            stacks[name][tuple(index)] = value
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        layers = [{**w, **{n: jnp.asarray(s[i]) for n, s in stacks.items()}} for i, w in enumerate(layers)]
+    else:
+        layers = {**layers, **{n: jnp.asarray(s) for n, s in stacks.items()}}
+    return {**params, "layers": layers}
+
+
 def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Int[Array, "B P"], Int[Array, "B"]]:
     """Token-id prompts as the right-padded `tokens` [B, P] and `lengths` [B] that prefill and generate take."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -154,18 +186,22 @@ def _slots(cache: KVCache, rows: Int[Array, "T"], positions: Int[Array, "T"], va
     return jnp.where(valid & (blk > 0), blk * bs + positions % bs, n * bs)
 
 
-def _forward(config: Config, params: dict, cache: KVCache, token_ids, meta: AttentionMetadata):
+def _forward(config: Config, params: dict, cache: KVCache, token_ids, meta: AttentionMetadata, lora_slots=None):
+    layers = params["layers"]
+    if lora_slots is not None and "lora_a_qkv" not in (layers[0] if isinstance(layers, (list, tuple)) else layers):
+        raise ValueError("lora_ids: these params have no LoRA stack (add one with functional.with_loras)")
     return forward(config.model, params, token_ids, cache.pool, meta, attention_backend=config.attention_backend,
-                   kv_chunk=_kv_chunk(cache.block_size))
+                   kv_chunk=_kv_chunk(cache.block_size), lora_slots=lora_slots)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=2)
-def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B P"], lengths: Int[Array, "B"]
-            ) -> tuple[Float[Array, "B V"], KVCache]:
+def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
+            lora_ids: Int[Array, "B"] | None = None) -> tuple[Float[Array, "B V"], KVCache]:
     """Append each row's first `lengths[b]` tokens (right-padded `tokens`) after what the cache holds.
 
     Returns the logits (float32) after each row's last new token, and the cache with `lengths` added.
-    A row with no new tokens keeps its cache; its logits are zeros.
+    A row with no new tokens keeps its cache; its logits are zeros. lora_ids: each row's LoRA slot (-1: none),
+    with params from `with_loras`.
     """
     b, p = tokens.shape
     ctx = cache.lengths
@@ -185,7 +221,8 @@ def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B 
         block_tables=cache.block_tables,
         max_query_len=p,
     )
-    hidden, pool = _forward(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta)
+    slots = None if lora_ids is None else jnp.where(flat_valid, jnp.asarray(lora_ids, jnp.int32)[flat_rows], -1)
+    hidden, pool = _forward(config, params, cache, tokens.reshape(-1).astype(jnp.int32), meta, slots)
     last = jnp.arange(b) * p + jnp.maximum(lengths - 1, 0)
     logits = compute_logits(params, hidden[last], scale=config.model.logits_scale,
                             softcap=config.model.final_softcap)
@@ -194,9 +231,10 @@ def prefill(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B 
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=2)
-def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
-           ) -> tuple[Float[Array, "B V"], KVCache]:
-    """Append one token per row; returns the logits (float32) after it and the cache one longer per row."""
+def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"],
+           lora_ids: Int[Array, "B"] | None = None) -> tuple[Float[Array, "B V"], KVCache]:
+    """Append one token per row; returns the logits (float32) after it and the cache one longer per row.
+    lora_ids: as `prefill`'s."""
     b = tokens.shape[0]
     ctx = cache.lengths
     rows = jnp.arange(b, dtype=jnp.int32)
@@ -210,7 +248,8 @@ def decode(config: Config, params: dict, cache: KVCache, tokens: Int[Array, "B"]
         block_tables=cache.block_tables,
         max_query_len=1,
     )
-    hidden, pool = _forward(config, params, cache, tokens.astype(jnp.int32), meta)
+    slots = None if lora_ids is None else jnp.asarray(lora_ids, jnp.int32)
+    hidden, pool = _forward(config, params, cache, tokens.astype(jnp.int32), meta, slots)
     logits = compute_logits(params, hidden, scale=config.model.logits_scale, softcap=config.model.final_softcap)
     return logits, KVCache(pool, cache.block_tables, ctx + 1)
 
@@ -234,13 +273,14 @@ def sample(config: Config, logits: Float[Array, "B V"], key, temperature=0.0, to
 def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: Int[Array, "B"], key, *,
              max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
              eos_id: int | Sequence[int] | None = None, block_size: int = 16,
-             kv_cache_dtype: str | None = None) -> Int[Array, "B N"]:
+             kv_cache_dtype: str | None = None, lora_ids: Int[Array, "B"] | None = None) -> Int[Array, "B N"]:
     """`max_new_tokens` tokens after each row's prompt (right-padded `tokens`, `lengths[b]` real ones).
 
     One compiled program: a prefill, then a `lax.while_loop` of decode steps that exits once every row
     has drawn an `eos_id` (one id or several; None: never ends early). After its end a row is padded
     with the (first) eos id. Sampling as `sample`; step i draws with `fold_in(key, i)`. The cache is made
-    inside (`init_cache` with `block_size` and `kv_cache_dtype`).
+    inside (`init_cache` with `block_size` and `kv_cache_dtype`). lora_ids: each row's LoRA slot (-1: none),
+    with params from `with_loras`.
     """
     eos = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
     if max_new_tokens <= 0:
@@ -251,12 +291,13 @@ def generate(config: Config, params: dict, tokens: Int[Array, "B P"], lengths: I
         lens = np.asarray(lengths)
         if lens.min() < 1 or lens.max() > jnp.shape(tokens)[1]:
             raise ValueError(f"lengths must be in [1, P={jnp.shape(tokens)[1]}], got {lens.tolist()}")
-    return _generate(config, params, tokens, lengths, key, temperature, top_k, top_p,
+    return _generate(config, params, tokens, lengths, key, temperature, top_k, top_p, lora_ids,
                      max_new_tokens=max_new_tokens, eos=eos, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "eos", "block_size", "kv_cache_dtype"))
-def _generate(config: Config, params, tokens, lengths, key, temperature, top_k, top_p, *, max_new_tokens: int,
+def _generate(config: Config, params, tokens, lengths, key, temperature, top_k, top_p, lora_ids, *,
+              max_new_tokens: int,
               eos: tuple[int, ...], block_size: int, kv_cache_dtype: str | None):
     b, p = tokens.shape
     cache = init_cache(config, num_seqs=b, max_len=p + max_new_tokens, block_size=block_size, dtype=kv_cache_dtype)
@@ -264,14 +305,14 @@ def _generate(config: Config, params, tokens, lengths, key, temperature, top_k, 
     pad = eos[0] if eos else 0
     draw = lambda logits, i: sample(config, logits, jax.random.fold_in(key, i), temperature, top_k, top_p)  # noqa: E731
 
-    logits, cache = prefill(config, params, cache, tokens, lengths.astype(jnp.int32))
+    logits, cache = prefill(config, params, cache, tokens, lengths.astype(jnp.int32), lora_ids)
     first = draw(logits, 0)
     out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
 
     def body(state):
         i, out, cache, done = state
-        logits, cache = decode(config, params, cache, out[:, i - 1])
+        logits, cache = decode(config, params, cache, out[:, i - 1], lora_ids)
         token = jnp.where(done, pad, draw(logits, i))
         return i + 1, out.at[:, i].set(token), cache, done | jnp.isin(token, eos_ids)
 

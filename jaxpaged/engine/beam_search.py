@@ -101,12 +101,14 @@ class BeamSearcher:
                                        ignore_eos=True)
         self._ids = itertools.count()
 
-    def run(self, prompts: list[list[int]], progress=None, cache_salts: list[str | None] | None = None
-            ) -> list[BeamSearchOutput]:
+    def run(self, prompts: list[list[int]], progress=None, cache_salts: list[str | None] | None = None,
+            lora_requests: list | None = None) -> list[BeamSearchOutput]:
         """Search every prompt; as many at once as max_num_seqs has room for beam_width beams each. cache_salts:
-        each prompt's `cache_salt` (`LLMEngine.make_requests`), or None."""
+        each prompt's `cache_salt` (`LLMEngine.make_requests`), or None; lora_requests: each prompt's LoRA adapter
+        (a LoRARequest or None; its beams share it)."""
         max_len = self.engine.config.scheduler_config.max_model_len
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        loras = [self.engine.resolve_lora(r) for r in lora_requests] if lora_requests else [None] * len(prompts)
         for ids, salt in zip(prompts, salts):
             check_cache_salt(salt)
             self.engine.validate_prompt(ids, self.sampling)
@@ -118,7 +120,7 @@ class BeamSearcher:
         try:
             while len(searches) < len(prompts) or not all(s.done for s in searches):
                 while len(searches) < len(prompts) and sum(not s.done for s in searches) < capacity:
-                    searches.append(self._start(prompts[len(searches)], salts[len(searches)]))
+                    searches.append(self._start(prompts[len(searches)], salts[len(searches)], loras[len(searches)]))
                 steps = self.engine.stats.num_steps
                 self.engine.step()
                 expanded = False
@@ -137,8 +139,8 @@ class BeamSearcher:
                     self.engine.abort_held_request(b.request)
         return [self._output(s) for s in searches]
 
-    def _start(self, ids: list[int], salt: str | None) -> _Search:
-        req = self.engine.add_held_request(f"beam-{next(self._ids)}", ids, self.sampling, cache_salt=salt)
+    def _start(self, ids: list[int], salt: str | None, lora=None) -> _Search:
+        req = self.engine.add_held_request(f"beam-{next(self._ids)}", ids, self.sampling, cache_salt=salt, lora=lora)
         return _Search(ids, [_Beam(req, [], 0.0)])
 
     def _expand(self, s: _Search) -> None:

@@ -44,6 +44,16 @@ def _split_prompts(prompts) -> tuple[list[str | list[int]], list[str | None]]:
     return out, salts
 
 
+def _per_prompt(lora_request, n: int) -> list:
+    """One LoRARequest (or None) per prompt, from one for all or a list of them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+    return loras
+
+
 class LLM:
     """An engine for offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
@@ -91,12 +101,7 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts) or not all(isinstance(x, int) and not isinstance(x, bool) for x in priority):
             raise ValueError(f"priority: need one int per prompt ({len(prompts)}), got {priority!r}")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         ids = []
         try:
             for p, sp, prio, salt, lora in zip(prompts, params, priority, salts, loras):
@@ -113,14 +118,17 @@ class LLM:
         params: BeamSearchParams,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt (HF's algorithm, early stopping); one `BeamSearchOutput` per prompt, in
-        order, whose `.sequences` are the beam_width best, best first. Beams share KV blocks."""
+        order, whose `.sequences` are the beam_width best, best first. Beams share KV blocks. lora_request: as
+        `generate`'s."""
         prompts, salts = _split_prompts(prompts)
+        loras = _per_prompt(lora_request, len(prompts))
         ids = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
         bar = tqdm(total=len(ids), desc="Beam search", unit="prompt", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            return BeamSearcher(self.engine, params).run(ids, progress=bar, cache_salts=salts)
+            return BeamSearcher(self.engine, params).run(ids, progress=bar, cache_salts=salts, lora_requests=loras)
         finally:
             bar.close()
 

@@ -100,6 +100,21 @@ def read_adapter_config(name: str, path: str) -> dict:
     return config
 
 
+def adapter_rank(name: str, path: str) -> int:
+    """The largest rank among an adapter's tensors (read from the file's header, no weights loaded)."""
+    from safetensors import safe_open
+
+    read_adapter_config(name, path)
+    file = os.path.join(os.fspath(path), WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise LoRAError(f"LoRA adapter {name!r}: {file} is missing")
+    with safe_open(file, "np") as f:
+        ranks = [f.get_slice(k).get_shape()[0] for k in f.keys() if ".lora_A" in k]
+    if not ranks:
+        raise LoRAError(f"LoRA adapter {name!r}: {file} holds no LoRA tensors")
+    return max(ranks)
+
+
 def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter for the base model `cfg`; ranks up to `max_rank`. Raises LoRAError
     naming the adapter and the module for anything it cannot serve (missing files, other modules, shapes)."""

@@ -147,3 +147,18 @@ def test_prefix_cache_is_keyed_by_adapter(lora_setup):
     outs = [llm.generate([ids], GREEDY, lora_request=requests[n], use_tqdm=False)[0] for n in order]
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 48]
     assert [o.outputs[0].token_ids for o in outs] == hf_outputs(base, adapters, [(ids, n) for n in order])
+
+
+def test_beam_search_runs_the_adapter(lora_setup):
+    """Beams of an adapter's prompt fork under the adapter (sharing its slot): the best beam of width 1 is the
+    greedy output with the adapter, HF's with it merged."""
+    from jaxpaged import BeamSearchParams
+
+    base, adapters = lora_setup
+    llm = engine(base, max_loras=1)
+    ids = prompts(6, [12])[0]
+    a2 = LoRARequest("a2", 2, adapters["a2"])
+    one = llm.beam_search([ids], BeamSearchParams(beam_width=1, max_tokens=8, ignore_eos=True), lora_request=a2)[0]
+    assert one.sequences[0].tokens[len(ids):] == hf_greedy(hf_merged(base, adapters["a2"]), ids, 8)
+    wide = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True), lora_request=a2)[0]
+    assert len(wide.sequences) == 3 and llm.engine.scheduler.loras.users == [0]
