@@ -35,6 +35,11 @@ def check_cache_salt(salt) -> None:
         raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
 
 
+def prefix_salt(cache_salt: str | None, lora) -> str | None:
+    """The salt of a prompt's first block hash: its cache salt, and its LoRA adapter's fingerprint if any."""
+    return cache_salt if lora is None else f"{cache_salt or ''}\x00lora:{lora.fingerprint}"
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated. `num_computed_tokens` catches up to `num_tokens` step by step."""
@@ -115,9 +120,7 @@ class Request:
     def prefix_salt(self) -> str | None:
         """What its first block's hash is salted with: the cache salt and its adapter's fingerprint (a block
         computed under one adapter holds other K/V than the base model's or another adapter's)."""
-        if self.lora is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora.fingerprint}"
+        return prefix_salt(self.cache_salt, self.lora)
 
     @property
     def prefix_cacheable(self) -> bool:

@@ -7,6 +7,7 @@ import json
 
 from aiohttp import web
 
+from jaxpaged.request import prefix_salt
 from server.chat_output import ChoiceParser
 from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
@@ -183,7 +184,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt = params.truncated(prompt, state.max_model_len)
     state.check_length(len(prompt), params.max_tokens, where="messages")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
-        await pull_blocks(state, request, source, [prompt], cache_salt)
+        salt = prefix_salt(cache_salt, lora and state.engine.engine.resolve_lora(lora))  # (as the engine hashes)
+        await pull_blocks(state, request, source, [prompt], salt)
     if params.max_tokens is None:
         params.max_tokens = state.max_model_len - len(prompt)
     rid, created = new_id("chatcmpl"), now()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 import jaxpaged.faults as faults
+from jaxpaged.request import prefix_salt
 from server.kv_transfer import pull_blocks, transfer_source
 from server.protocol import (
     APIError,
@@ -92,7 +93,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     for p in prompts:
         state.check_length(len(p.token_ids), params.max_tokens, where="prompt")
     if (source := transfer_source(body, state)) is not None:  # (prefill/decode disaggregation across hosts)
-        await pull_blocks(state, request, source, [p.token_ids for p in prompts], cache_salt)
+        salt = prefix_salt(cache_salt, lora and state.engine.engine.resolve_lora(lora))  # (as the engine hashes)
+        await pull_blocks(state, request, source, [p.token_ids for p in prompts], salt)
     rid, created = new_id("cmpl"), now()
     stream = get_field(body, "stream", (bool,), False)
     include_usage, continuous_usage = stream_usage(body)

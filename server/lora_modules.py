@@ -6,7 +6,6 @@ POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapte
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 
@@ -53,22 +52,25 @@ class LoRAModules:
         self.base_name = base_name
         self.allow_runtime_updates = allow_runtime_updates
         self.by_name: dict[str, LoRARequest] = {}
-        self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
     @property
     def enabled(self) -> bool:
         return self.engine.engine.loras is not None
 
-    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Load and serve an adapter under `name` (ValueError naming what is wrong: no LoRA, a taken name, a bad
-        adapter)."""
+    def new_request(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """The LoRARequest a new adapter would be served by (ValueError naming what is wrong: no LoRA, a taken
+        name)."""
         if not self.enabled:
             raise ValueError("lora_name: the server was started without --enable-lora")
         if name == self.base_name or name in self.by_name:
             raise ValueError(f"lora_name: the name {name!r} is already in use")
-        request = LoRARequest(name, next(self._ids), path, base_model_name)
-        self.engine.engine.resolve_lora(request)
+        return LoRARequest(name, self.engine.engine.loras.id_for(name, path), path, base_model_name)
+
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load and serve an adapter under `name` now (at start; ValueError naming what is wrong)."""
+        request = self.new_request(name, path, base_model_name)
+        self.engine.engine.loras.resolve(request, keep=True)
         self.by_name[name] = request
         return request
 
@@ -99,9 +101,12 @@ class LoRAModules:
             raise APIError("lora_name and lora_path must be non-empty", param="lora_name" if not name else "lora_path")
         async with self._lock:  # (one load at a time: the name check and the add stay together)
             try:
-                await asyncio.to_thread(self.add, name, path)
+                request = self.new_request(name, path)
+                # (read and checked on a worker thread; `by_name` itself only changes here, on the loop)
+                await asyncio.to_thread(self.engine.engine.loras.resolve, request, keep=True)
             except ValueError as e:
                 raise APIError(str(e), param="lora_name" if "name" in str(e).split(":")[0] else "lora_path") from None
+            self.by_name[name] = request
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, body: dict) -> str:

@@ -51,13 +51,6 @@ class LoRASlots:
         self._clock += 1
         self.released_at[slot] = self._clock
 
-    def forget(self, fingerprint: str) -> None:
-        """An unloaded adapter: its slot (once unpinned) is the first to be taken again."""
-        slot = self.slot_of(fingerprint)
-        if slot >= 0:
-            self.holder[slot] = None if self.users[slot] == 0 else f"(unloaded) {fingerprint}"
-            self.released_at[slot] = -1
-
     def pin(self, req, loads: list) -> None:
         """Pin the slot of a request that starts running with an adapter (`req.lora`) as `req.lora_slot`; a
         slot that must be (re)loaded is appended to `loads` as (slot, adapter), for the runner."""

@@ -148,7 +148,7 @@ def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutpu
             engine.validate_prompt(d["prompt_token_ids"], params, d.get("tenant"))
             rows = processor_rows(params, engine.config.model_config, engine.tokenizer)
             grammar = engine.structured.grammar(params.structured_outputs) if params.structured_outputs else None
-            lora = engine.resolve_lora(LoRARequest(*d["lora"])) if d.get("lora") else None
+            lora = _saved_lora(engine, d.get("lora"))
         except ValueError as e:
             if on_invalid is None:
                 raise
@@ -156,6 +156,17 @@ def restore_requests(engine: LLMEngine, saved: list[dict], *, kind: RequestOutpu
             continue
         plans.append((d, params, rows, grammar, lora))
     return [_restore_one(engine, *plan, kind, queue or engine.scheduler.add_requests) for plan in plans]
+
+
+def _saved_lora(engine: LLMEngine, saved: list | None):
+    """A saved request's adapter, by its name and folder (under the id this engine knows it by, or a new one:
+    ids are the saving engine's)."""
+    if not saved:
+        return None
+    name, _, path = saved
+    if engine.loras is None:
+        raise ValueError(f"load_state: a request ran with LoRA adapter {name!r}; this engine has no enable_lora")
+    return engine.resolve_lora(LoRARequest(name, engine.loras.id_for(name, path), path))
 
 
 def _restore_one(engine: LLMEngine, d: dict, params: SamplingParams, rows, grammar: str | None, lora,

@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
@@ -28,6 +29,7 @@ HF_MODULES = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("
               "up_proj": ("up",), "down_proj": ("down",), "qkv_proj": ("q", "k", "v"),
               "gate_up_proj": ("gate", "up")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_PREFIX = re.compile(r"(base_model\.model\.)?(model\.)?")  # what may stand before "layers." (the decoder's own)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -62,11 +64,28 @@ class LoRAAdapter:
 
 
 def _pattern_value(pattern: dict, module_path: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's path."""
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's path
+    (the path as PEFT matches it: from `model.layers...`)."""
+    module_path = module_path.removeprefix("base_model.model.")
     for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?{key}$", module_path):
+        if re.match(rf"(.*\.)?({key})$", module_path):
             return value
     return default
+
+
+def _check_patterns(name: str, config: dict) -> None:
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(field) or {}
+        if not isinstance(pattern, dict):
+            raise LoRAError(f"LoRA adapter {name!r}: {field} must be an object, got {pattern!r}")
+        for key, value in pattern.items():
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise LoRAError(f"LoRA adapter {name!r}: {field} key {key!r} is not a regular expression ({e})"
+                                ) from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise LoRAError(f"LoRA adapter {name!r}: {field}[{key!r}] must be a positive number, got {value!r}")
 
 
 def read_adapter_config(name: str, path: str) -> dict:
@@ -97,6 +116,7 @@ def read_adapter_config(name: str, path: str) -> dict:
         value = config.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise LoRAError(f"LoRA adapter {name!r}: {field} must be a positive number, got {value!r}")
+    _check_patterns(name, config)
     return config
 
 
@@ -118,7 +138,7 @@ def adapter_rank(name: str, path: str) -> int:
 def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter for the base model `cfg`; ranks up to `max_rank`. Raises LoRAError
     naming the adapter and the module for anything it cannot serve (missing files, other modules, shapes)."""
-    from safetensors.numpy import load_file
+    from safetensors import safe_open
 
     config = read_adapter_config(name, path)
     path = os.fspath(path)
@@ -127,10 +147,12 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
         other = [f for f in ("adapter_model.bin", "adapter_model.pt") if os.path.isfile(os.path.join(path, f))]
         raise LoRAError(f"LoRA adapter {name!r}: {file} is missing" +
                         (f" ({other[0]} is there: save it with safe_serialization=True)" if other else ""))
-    try:
-        tensors = load_file(file)
+    try:  # (through flax's arrays: numpy has no bfloat16, and bf16 adapters are common)
+        with safe_open(file, framework="flax") as f:
+            tensors = {k: np.asarray(f.get_tensor(k)).astype(np.float32) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - a damaged file: its error, named
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {file} ({e})") from None
+    limit = float(np.finfo(np.dtype(jnp.dtype(cfg.compute_dtype))).max)  # (a B past it is inf in the activations)
     dims = module_dims(cfg)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     paths: dict[tuple[int, str], str] = {}
@@ -140,6 +162,12 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA update of an attention or MLP "
                             f"projection (supported: {', '.join(HF_MODULES)})")
         layer, module, side = int(m.group(1)), m.group(2), m.group(3)
+        if not _PREFIX.fullmatch(key[: m.start() + (key[m.start()] == ".")]):
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not in the decoder's layers (another tower's?)")
+        if value.ndim != 2:
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} has shape {tuple(value.shape)}, not 2-D")
+        if side in pairs.get((layer, module), {}):
+            raise LoRAError(f"LoRA adapter {name!r}: module {module!r} of layer {layer} has two lora_{side} tensors")
         if module not in HF_MODULES:
             raise LoRAError(f"LoRA adapter {name!r}: module {module!r} (tensor {key!r}) is not supported; "
                             f"supported: {', '.join(HF_MODULES)}")
@@ -149,7 +177,7 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
         if cfg.num_experts and module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"):
             raise LoRAError(f"LoRA adapter {name!r}: module {module!r}: adapters of mixture-of-experts MLPs are not "
                             "supported")
-        pairs.setdefault((layer, module), {})[side] = np.asarray(value, np.float32)
+        pairs.setdefault((layer, module), {})[side] = value
         paths[(layer, module)] = key[: m.start(3) - len("lora_")].rstrip(".")
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r}: {file} holds no LoRA tensors")
@@ -165,7 +193,7 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
         parts = HF_MODULES[module]
         d_in, d_out = dims[parts[0]][0], sum(dims[p][1] for p in parts)
         r = wa.shape[0]
-        if wa.ndim != 2 or wb.ndim != 2 or wa.shape[1] != d_in or wb.shape != (d_out, r):
+        if r == 0 or wa.shape[1] != d_in or wb.shape != (d_out, r):
             raise LoRAError(f"{where}: lora_A {tuple(wa.shape)} and lora_B {tuple(wb.shape)} do not fit the base "
                             f"model's projection [{d_in} -> {d_out}] (expected [r, {d_in}] and [{d_out}, r])")
         if r > max_rank:
@@ -176,6 +204,9 @@ def load_lora_adapter(name: str, lora_id: int, path: str, cfg: ModelConfig, max_
         if r_cfg != r:
             raise LoRAError(f"{where}: its tensors have rank {r}, its config says r={r_cfg}")
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        if not (np.isfinite(wa).all() and np.abs(wa).max() <= limit and np.abs(wb).max() * scaling <= limit):
+            raise LoRAError(f"{where}: its weights (times the scaling {scaling:g}) are not finite in "
+                            f"{cfg.compute_dtype} (one such row would turn every token of a step to NaN)")
         top_rank = max(top_rank, r)
         lo = 0
         for part in parts:

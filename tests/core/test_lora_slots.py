@@ -18,19 +18,3 @@ def test_slots_pin_reuse_and_evict_lru():
     assert s.take("b") == (0, True)
     assert s.take("c") == (1, False)  # still resident
     assert s.num_loads == 4
-
-
-def test_an_unloaded_adapter_is_not_found_again_and_its_slot_goes_first():
-    s = LoRASlots(2)
-    s.take("a")
-    s.take("b")
-    s.release(0)
-    s.release(1)
-    s.forget("b")
-    assert s.slot_of("b") == -1 and s.resident == 1
-    assert s.take("c") == (1, True)
-    s.take("a")
-    s.forget("a")  # pinned: it stays until released, but is never found under its fingerprint
-    assert s.slot_of("a") == -1
-    s.release(0)
-    assert s.take("a") == (0, True)

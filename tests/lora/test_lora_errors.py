@@ -97,3 +97,72 @@ def test_engine_refuses_bad_lora_requests_before_any_step(lora_setup):
     with pytest.raises(ValueError, match="max_loras must be a positive integer"):
         LLM(base, enable_lora=True, max_loras=0)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bf16_adapters_load_and_strange_ones_are_refused(lora_setup, cfg, tmp_path):
+    import ml_dtypes
+
+    base, adapters = lora_setup
+    a1 = adapters["a1"]
+    f32 = load_lora_adapter("a1", 1, a1, cfg, 8)
+
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file as save_torch  # (numpy's writer has no bfloat16)
+
+    bf16_dir = edited_copy(a1, tmp_path / "bf16")
+    tensors = load_file(os.path.join(a1, "adapter_model.safetensors"))
+    save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()},
+               os.path.join(bf16_dir, "adapter_model.safetensors"))
+    bf16 = load_lora_adapter("a1", 1, str(bf16_dir), cfg, 8)
+    rounded = f32.a["q"].astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(bf16.a["q"], rounded) and not np.array_equal(bf16.a["q"], f32.a["q"])
+
+    def fails(path, *match):
+        with pytest.raises(LoRAError) as e:
+            load_lora_adapter("bad", 9, path, cfg, 8)
+        for m in ("'bad'", *match):
+            assert m in str(e.value), str(e.value)
+
+    def poisoned(t):
+        key = next(k for k in t if "layers.0.self_attn.q_proj.lora_B" in k)
+        t[key] = t[key].copy()
+        t[key][0, 0] = np.nan
+        return t
+
+    fails(edited_copy(a1, tmp_path / "nan", tensors=poisoned), "not finite", "'q_proj' of layer 0")
+    fails(edited_copy(a1, tmp_path / "pat", {"rank_pattern": ["q_proj"]}), "rank_pattern must be an object")
+    fails(edited_copy(a1, tmp_path / "re", {"alpha_pattern": {"q_proj(": 4}}), "not a regular expression")
+    fails(edited_copy(a1, tmp_path / "alpha0", {"alpha_pattern": {"q_proj": 0}}), "must be a positive number")
+
+    def vision(t):
+        return {k.replace("base_model.model.model.layers", "base_model.model.vision_tower.layers"): v
+                for k, v in t.items()}
+
+    fails(edited_copy(a1, tmp_path / "vision", tensors=vision), "not in the decoder's layers")
+
+    def twice(t):
+        key = next(k for k in t if "layers.0.self_attn.q_proj.lora_A" in k)
+        t[key.replace("lora_A.weight", "lora_A.default.weight")] = t[key]
+        return t
+
+    fails(edited_copy(a1, tmp_path / "twice", tensors=twice), "two lora_A tensors")
+    # PEFT's pattern match: a key with alternatives, matched from model.layers (not base_model.model.)
+    patterned = edited_copy(a1, tmp_path / "alt", {"alpha_pattern": {"q_proj|v_proj": 32}})
+    scaled = load_lora_adapter("alt", 10, str(patterned), cfg, 8)
+    assert np.allclose(scaled.b["q"], 2 * f32.b["q"]) and np.allclose(scaled.b["v"], 2 * f32.b["v"])
+    assert np.allclose(scaled.b["down"], f32.b["down"])
+
+
+def test_registry_keeps_named_adapters_and_gives_fresh_ids(lora_setup, cfg):
+    from jaxpaged.config import LoRAConfig
+    from jaxpaged.engine.lora_registry import LoRARegistry
+
+    _, adapters = lora_setup
+    registry = LoRARegistry(cfg, LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1))
+    registry.resolve(LoRARequest("a1", 1, adapters["a1"]), keep=True)
+    registry.resolve(LoRARequest("a2", 2, adapters["a2"]))
+    registry.resolve(LoRARequest("a3", 3, adapters["a3"]))
+    assert sorted(registry._adapters) == [1, 3]  # (a2 dropped, a1 kept past max_cpu_loras)
+    assert registry.id_for("a2", adapters["a2"]) == 2 and registry.id_for("new", "/x") == 4
+    assert registry.id_for("new2", "/y") == 5

@@ -29,9 +29,9 @@ from jaxpaged.core.kv_shares import KVShares
 from jaxpaged.core.lora_slots import LoRASlots
 from jaxpaged.core.sched.output import SchedulerOutput
 from jaxpaged.core.sched.prefill_budget import prefill_budget
-from jaxpaged.core.sched.tenant_room import make_room_for_guarantees
 from jaxpaged.core.sched.request_queue import WaitingQueue, policy_rank, predicted_work
 from jaxpaged.core.sched.stop import check_stop
+from jaxpaged.core.sched.tenant_room import make_room_for_guarantees
 from jaxpaged.core.step_costs import StepCosts
 from jaxpaged.request import Request, RequestStatus
 
@@ -366,8 +366,10 @@ class Scheduler:
         (or, share=False, with copies of them)."""
         if child.request_id in self.requests:
             raise ValueError(f"request_id {child.request_id!r} is already in use")
-        if not share and len(self.kv.blocks_of(parent.request_id)) > self.kv.num_free_blocks:
-            self.requests[child.request_id] = child  # no room for copies now: it computes its tokens later
+        if ((not share and len(self.kv.blocks_of(parent.request_id)) > self.kv.num_free_blocks)
+                or (child.lora is not None and self.loras.slot_of(child.lora.fingerprint) < 0)):
+            # (no room for copies, or its adapter's slot was retaken while the parent waited: it computes later)
+            self.requests[child.request_id] = child
             self.waiting.add(child)
             return
         self.kv.fork(parent, child, num_tokens, share=share)
@@ -376,7 +378,7 @@ class Scheduler:
         child.needs_full_table = True
         self.requests[child.request_id] = child
         self.running.append(child)
-        if child.lora is not None:  # (the running parent pins the adapter's slot: it is resident)
+        if child.lora is not None:  # (resident, checked above: pinning it loads nothing)
             self.loras.pin(child, [])
 
     def _pick_victim(self, start: int) -> Request:
