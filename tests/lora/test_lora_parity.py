@@ -162,3 +162,23 @@ def test_beam_search_runs_the_adapter(lora_setup):
     assert one.sequences[0].tokens[len(ids):] == hf_greedy(hf_merged(base, adapters["a2"]), ids, 8)
     wide = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True), lora_request=a2)[0]
     assert len(wide.sequences) == 3 and llm.engine.scheduler.loras.users == [0]
+
+
+def test_snapshot_keeps_each_requests_adapter(lora_setup, tmp_path):
+    """Requests saved mid-generation with their adapters finish after a restart as they would have (HF's), the
+    adapters found again by name and folder."""
+    from jaxpaged.engine.output_processor import RequestOutputKind
+
+    base, adapters = lora_setup
+    cases = list(zip(prompts(7, [10, 14]), ["a3", None]))
+    first = engine(base, max_loras=1)
+    for ids, name in cases:
+        lora = LoRARequest(name, 3, adapters[name]) if name else None
+        first.engine.add_request(None, ids, GREEDY, lora_request=lora, output_kind=RequestOutputKind.FINAL_ONLY)
+    for _ in range(4):
+        first.engine.step()
+    assert first.save_state(str(tmp_path)) == 2
+    second = engine(base, max_loras=1)
+    ids = second.load_state(str(tmp_path))
+    outs = second.run_until_finished(ids)
+    assert [o.outputs[0].token_ids for o in outs] == hf_outputs(base, adapters, cases)
