@@ -108,3 +108,30 @@ def test_the_gpu_step_has_no_device_decided_branch(tiny_model_dir):
         text = lowered(features)
         assert "stablehlo.case" not in text and "stablehlo.if" not in text, features.describe()
         assert "stablehlo.while" not in text, features.describe()
+
+
+def test_the_lora_step_lowers_for_cuda_without_branches(tiny_model_dir):
+    """With a multi-LoRA stack (2 slots of rank 8, stacked layers under lax.scan: the GPU form), the step lowers for
+    CUDA and mixes adapters with no conditional: every token's update is the same two matmuls."""
+    from jaxpaged.config import LoRAConfig
+    from jaxpaged.layers.step_features import FLAGS, StepFeatures
+
+    path = tiny_model_dir("llama")
+    cfg = dataclasses.replace(model_config_from_hf(path, load_hf_config(path), "bfloat16"), activation_dtype="bfloat16")
+    model = build_model(cfg, per_layer=False, attention_backend="pallas")
+    model.add_lora_stack(2, 8)
+    config = EngineConfig(model_config=cfg, cache_config=CacheConfig(block_size=16, num_blocks=32, dtype="bfloat16"),
+                          scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                           max_model_len=256),
+                          attention_backend="pallas", sampler_backend="pallas", branch_on_host=True,
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=8))
+    runner = ModelRunner(config, model)
+    t = runner.buckets[-1]
+    ints, floats = runner._packers[t].pack(runner._template(t))
+    features = StepFeatures(**{f: False for f in FLAGS})
+    text = lower_for_cuda(partial(_step, runner.graphdef, None, config.logprobs_mode, config.sampler_backend,
+                                  runner.spec_width, runner._packers[t], features),
+                          runner.state, runner.kv_pool, runner.row_state, runner.last_token, ints, floats,
+                          runner._free_mask(t), None, None)
+    assert "x3x2x8xbf16" in text  # (the q/k/v stack: [L, K, 3 parts, 2 slots, rank 8])
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
