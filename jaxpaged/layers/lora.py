@@ -7,8 +7,8 @@ sharing the input: q/k/v, gate/up), each part's B is [S, R, N]. A token's update
     delta_p = u_p @ B_p  [T, N]:
 two dense matmuls whatever the mix, costing (K + N) * S * R per token and part: at S * R = 64 for SmolLM2
 ~15% of its layers' own work. A grouped matmul over tokens sorted by adapter (`lax.ragged_dot`) does the same
-arithmetic where XLA has no native grouped kernel (it masks per group), plus a sort; it pays when S * R is
-large, which the dense form's cost line in docs/lora.md states.
+arithmetic where XLA has no native grouped kernel (it masks per group), plus a sort: 1.2-3.2x slower on CPU
+(`python -m jaxpaged.bench.lora_paths`, docs/benchmarks/lora.md).
 """
 
 from __future__ import annotations
