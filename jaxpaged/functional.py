@@ -116,7 +116,7 @@ def with_loras(config: Config, params: dict, adapters: Sequence[str], *, max_ran
     raises a ValueError naming it and the module (`jaxpaged.models.lora_adapter`)."""
     import os
 
-    from jaxpaged.layers.lora import adapter_slices, lora_shapes
+    from jaxpaged.layers.lora import adapter_slices, lora_shapes, write_slot
     from jaxpaged.models.lora_adapter import adapter_rank, load_lora_adapter, module_dims
 
     cfg = config.model
@@ -127,17 +127,15 @@ def with_loras(config: Config, params: dict, adapters: Sequence[str], *, max_ran
     loaded = [load_lora_adapter(n, i + 1, p, cfg, rank) for i, (n, p) in enumerate(zip(names, adapters))]
     shapes = lora_shapes(module_dims(cfg), len(loaded), rank, mlp=cfg.dense_mlp and not cfg.num_experts)
     dtype = jnp.dtype(cfg.compute_dtype)
-    stacks = {name: np.zeros((cfg.num_layers, *shape), dtype) for name, shape in shapes.items()}  # [L, ...]
+    stacks = {name: jnp.zeros((cfg.num_layers, *shape), dtype) for name, shape in shapes.items()}  # [L, ...]
     for slot, adapter in enumerate(loaded):
         for name, value in adapter_slices(adapter.a, adapter.b, set(shapes)).items():
-            index = [slice(None)] * stacks[name].ndim
-            index[3 if name.startswith("lora_a_") else 1] = slot  # (A [L, K, P, S, R], B [L, S, R, N])
-            stacks[name][tuple(index)] = value
+            stacks[name] = write_slot(stacks[name], name, value, slot, stacked=True)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
-        layers = [{**w, **{n: jnp.asarray(s[i]) for n, s in stacks.items()}} for i, w in enumerate(layers)]
+        layers = [{**w, **{n: s[i] for n, s in stacks.items()}} for i, w in enumerate(layers)]
     else:
-        layers = {**layers, **{n: jnp.asarray(s) for n, s in stacks.items()}}
+        layers = {**layers, **stacks}
     return {**params, "layers": layers}
 
 

@@ -62,8 +62,3 @@ class LoRASlots:
         """A request that stopped running gives its slot back."""
         self.release(req.lora_slot)
         req.lora_slot = -1
-
-    @property
-    def resident(self) -> int:
-        """Slots holding an adapter."""
-        return sum(h is not None for h in self.holder)

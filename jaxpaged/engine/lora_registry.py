@@ -30,6 +30,7 @@ class LoRARegistry:
         self._known: dict[int, tuple[str, str]] = {}  # id -> (name, path) of every adapter seen (one id, one adapter)
         self._lock = threading.Lock()  # (a server loads adapters on a worker thread while requests resolve theirs)
         self._kept: set[int] = set()  # ids never dropped from host memory (a server's named adapters)
+        self._last_new_id = 0  # (`id_for`: ids it hands out are past every id seen)
 
     def resolve(self, request: LoRARequest, *, keep: bool = False) -> LoRAAdapter:
         """The adapter `request` names, loaded and checked (ValueError naming what is wrong). keep: never drop it
@@ -60,8 +61,9 @@ class LoRARegistry:
             drop = [i for i in self._adapters if i not in self._kept and i != request.lora_int_id]  # (LRU first)
             for old in drop[: max(0, len(self._adapters) - self.config.host_capacity)]:
                 del self._adapters[old]
-        logger.info("Loaded LoRA adapter %r (id %d, rank %d, %s) from %s in %.2f s", adapter.name, adapter.lora_id,
-                    adapter.rank, "/".join(adapter.targets), adapter.path, time.perf_counter() - start)
+        logger.info("Loaded LoRA adapter %r (id %d, rank %d, %s; %.1f MB in host memory) from %s in %.2f s",
+                    adapter.name, adapter.lora_id, adapter.rank, "/".join(adapter.targets), adapter.nbytes / 2**20,
+                    adapter.path, time.perf_counter() - start)
         return adapter
 
     def id_for(self, name: str, path: str) -> int:
@@ -70,8 +72,8 @@ class LoRARegistry:
             for lora_id, key in self._known.items():
                 if key == (name, path):
                     return lora_id
-            self._next_id = max(getattr(self, "_next_id", 0), max(self._known, default=0)) + 1
-            return self._next_id
+            self._last_new_id = max(self._last_new_id, max(self._known, default=0)) + 1
+            return self._last_new_id
 
     def _check_id(self, request: LoRARequest, key: tuple[str, str]) -> None:
         known = self._known.get(request.lora_int_id)

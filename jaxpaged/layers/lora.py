@@ -75,6 +75,11 @@ def adapter_slices(a: dict[str, np.ndarray], b: dict[str, np.ndarray], names: se
     return out
 
 
+def slot_axis(name: str, stacked: bool) -> int:
+    """The slot axis of stack array `name`: A [K, P, S, R] axis 2, B [S, R, N] axis 0; one later with a leading [L]."""
+    return (2 if name.startswith("lora_a_") else 0) + (1 if stacked else 0)
+
+
 def _write(stack: jax.Array, value: jax.Array, slot: Int[Array, ""], axis: int) -> jax.Array:
     index = (slice(None),) * axis + (slot,)
     return stack.at[index].set(value.astype(stack.dtype))
@@ -86,5 +91,4 @@ _write_jit = jax.jit(_write, static_argnums=3)
 def write_slot(stack: jax.Array, name: str, value: np.ndarray, slot: int, stacked: bool) -> jax.Array:
     """The stack array `name` with slot `slot` replaced by `value` (its slot slice; a new array: a step still in
     flight reads the old one). stacked: the array has a leading [L] axis (and `value` too)."""
-    axis = (2 if name.startswith("lora_a_") else 0) + (1 if stacked else 0)
-    return _write_jit(stack, value, np.int32(slot), axis)
+    return _write_jit(stack, value, np.int32(slot), slot_axis(name, stacked))

@@ -11,6 +11,7 @@ place, out.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -29,11 +30,20 @@ from jaxpaged.distributed.tensor_parallel import (
     lora_sharding,
     mesh_size,
     param_sharding,
+    replicate_kv_heads,
     replicated,
 )
 from jaxpaged.layers.attention import paged_attention, write_kv
 from jaxpaged.layers.dense import cpu_layout, dense, gated_mlp, moe_mlp, rms_norm
-from jaxpaged.layers.lora import a_name, adapter_slices, lora_deltas, lora_shapes, slot_gate, write_slot
+from jaxpaged.layers.lora import (
+    a_name,
+    adapter_slices,
+    lora_deltas,
+    lora_shapes,
+    slot_axis,
+    slot_gate,
+    write_slot,
+)
 from jaxpaged.layers.rope import apply_rope, model_rope_angles
 from jaxpaged.models.lora_adapter import LoRAAdapter, module_dims
 
@@ -404,12 +414,11 @@ class LlamaForCausalLM(nnx.Module):
         containers = [self.layers] if stacked else list(self.layers)
         names = {n for n in vars(containers[0]) if n.startswith("lora_")}
         b = dict(adapter.b)
-        kh, d = self.cfg.num_kv_heads, self.cfg.head_dim
-        for part in ("k", "v"):  # (tensor parallelism replicated the KV heads up to the devices: their B too)
-            heads = b[part].shape[-1] // d
-            if heads != kh:
-                b[part] = np.repeat(b[part].reshape(*b[part].shape[:-1], heads, d), kh // heads, axis=-2).reshape(
-                    *b[part].shape[:-1], kh * d)
+        heads = b["k"].shape[-1] // self.cfg.head_dim  # (the checkpoint's KV heads: tensor parallelism may have
+        if heads != self.cfg.num_kv_heads:  # replicated them up to the devices, wk/wv's columns and so B's too)
+            _, kv = replicate_kv_heads(dataclasses.replace(self.cfg, num_kv_heads=heads),
+                                       {"layers.wk": b["k"], "layers.wv": b["v"]}, self.cfg.num_kv_heads)
+            b["k"], b["v"] = kv["layers.wk"], kv["layers.wv"]
         values = adapter_slices(adapter.a, b, names)
         for i, layer in enumerate(containers):
             for name, value in values.items():
@@ -422,8 +431,7 @@ class LlamaForCausalLM(nnx.Module):
         for layer in [self.layers] if stacked else list(self.layers):
             for name in [n for n in vars(layer) if n.startswith("lora_")]:
                 param = getattr(layer, name)
-                axis = (2 if name.startswith("lora_a_") else 0) + (1 if stacked else 0)
-                value = np.asarray(jnp.take(param.value, 0, axis=axis))
+                value = np.asarray(jnp.take(param.value, 0, axis=slot_axis(name, stacked)))
                 param.value = write_slot(param.value, name, value, 0, stacked)
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
