@@ -30,6 +30,7 @@ from pallas_kernels import cpu_build
 logger = logging.getLogger(__name__)
 
 TARGET = "jaxpaged_onednn_dense"
+TARGET_S8 = "jaxpaged_onednn_dense_s8"
 ENV = "JAXPAGED_ONEDNN"  # "0": off
 LIBRARY, HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 
@@ -81,9 +82,11 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.JaxpagedOneDnnPackedSize.restype = ctypes.c_int64
-    lib.JaxpagedOneDnnPackedSize.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.JaxpagedOneDnnPack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.JaxpagedOneDnnPackedSize.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.JaxpagedOneDnnPack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p]
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedOneDnnDense), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_S8, jax.ffi.pycapsule(lib.JaxpagedOneDnnDenseS8), platform="cpu")
     return lib
 
 
@@ -99,11 +102,29 @@ def pack(w: np.ndarray) -> np.ndarray | None:
     if lib is None or w.ndim != 2:
         return None
     k, n = w.shape
-    if lib.JaxpagedOneDnnPackedSize(k, n) != k * n * 2:
+    if lib.JaxpagedOneDnnPackedSize(k, n, 0) != k * n * 2:
         return None
     src = np.ascontiguousarray(np.asarray(w).astype(ml_dtypes.bfloat16))
     out = np.empty((1, k, n), ml_dtypes.bfloat16)
-    if not lib.JaxpagedOneDnnPack(k, n, src.ctypes.data, out.ctypes.data):
+    if not lib.JaxpagedOneDnnPack(k, n, 0, src.ctypes.data, out.ctypes.data):
+        return None
+    return out
+
+
+def pack_s8(q: np.ndarray) -> np.ndarray | None:
+    """An int8 [K, N] weight reordered into oneDNN's int8 layout with its compensation for signed inputs, as an
+    int8 [bytes] numpy array (opaque contents), or None where the call or an int8 brgemm kernel (AVX512-VNNI,
+    AMX) is unavailable."""
+    lib = _library()
+    if lib is None or q.ndim != 2 or q.dtype != np.int8:
+        return None
+    k, n = q.shape
+    size = lib.JaxpagedOneDnnPackedSize(k, n, 1)
+    if size < k * n:
+        return None
+    src = np.ascontiguousarray(q)
+    out = np.zeros((size,), np.int8)
+    if not lib.JaxpagedOneDnnPack(k, n, 1, src.ctypes.data, out.ctypes.data):
         return None
     return out
 
@@ -127,4 +148,18 @@ def onednn_dense(x: Float[Array, "M K"], w: Float[Array, "1 K N"],
     m = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32)
     out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
     y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, w, m)
+    return y.reshape(*lead, n)
+
+
+def onednn_dense_s8(x: Int[Array, "M K"], w: Int[Array, "bytes"], n: int,
+                    rows: Int[Array, ""] | int | None = None) -> Int[Array, "M N"]:
+    """x @ w in int32 for int8 x and an int8 [K, n] weight packed by `pack_s8` (exact: integer products and
+    sums). rows: as `onednn_dense`'s."""
+    if x.dtype != jnp.int8 or w.dtype != jnp.int8 or w.ndim != 1:
+        raise ValueError(f"onednn_dense_s8: x {x.shape} {x.dtype} and weight {w.shape} {w.dtype} do not match")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.int32)
+    y = jax.ffi.ffi_call(TARGET_S8, out, vmap_method="sequential")(x2, w, m)
     return y.reshape(*lead, n)

@@ -12,7 +12,8 @@ from pallas_kernels.cpu_build import cpu_identity
 from pallas_kernels.paged_attention import VARIANT_ENV
 
 # XLA custom-call targets of the C++ CPU kernels: the compile guard allows them in a CPU step's HLO
-CPU_CUSTOM_CALL_TARGETS = (cpu_attention.TARGET, cpu_rope.TARGET, cpu_dense.TARGET, cpu_onednn.TARGET)
+CPU_CUSTOM_CALL_TARGETS = (cpu_attention.TARGET, cpu_rope.TARGET, cpu_dense.TARGET, cpu_onednn.TARGET,
+                           cpu_onednn.TARGET_S8)
 # the environment variable that picks the Pallas attention's variant (read at trace time: part of a step's key)
 ATTENTION_VARIANT_ENV = VARIANT_ENV
 
