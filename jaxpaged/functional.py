@@ -67,8 +67,8 @@ class KVCache:
 
 
 def load(model: str | None = None, *, dtype: str | None = None, load_format: str = "auto",
-         attention_backend: str = "auto", sampler_backend: str = "auto", per_layer: bool | None = None
-         ) -> tuple[Config, dict]:
+         attention_backend: str = "auto", sampler_backend: str = "auto", per_layer: bool | None = None,
+         quantization: str | None = None) -> tuple[Config, dict]:
     """(config, params) from an HF folder, a .gguf file, or (None) the default SmolLM2 model.
 
     dtype: "float32", "bfloat16" or "float16"; default bfloat16 on GPU, float32 elsewhere. load_format
@@ -76,6 +76,9 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     the C++ attention kernel (plain JAX without a compiler) and the plain-JAX sampler. params is a dict of
     jax arrays; its "layers" a list of one dict per layer (per_layer, the default on CPU, where it runs
     faster) or one dict of arrays stacked on a leading [L] axis (run under `lax.scan`; the default on GPU).
+    quantization: "int8", "fp8" or "gguf" (the engine's flag, docs/quantization.md): matmul weights are then
+    `layers.quant.QuantizedWeight` pytrees in the tree (the plain-JAX dots; the CPU engine's oneDNN forms are
+    the engine's).
     """
     from jaxpaged.models.registry import default_model_path, load_hf_config, load_weights, model_config_from_hf
 
@@ -86,7 +89,7 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
         raise ValueError(f"sampler_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {sampler_backend!r}")
     attention_backend = resolve_attention_backend(attention_backend)  # a bad name raises here, before loading
     path = model or default_model_path()
-    model_config = model_config_from_hf(path, load_hf_config(path), dtype)
+    model_config = model_config_from_hf(path, load_hf_config(path), dtype, quantization)
     params = model_params(model_config, load_weights(model_config, load_format), per_layer=per_layer)
     return Config(model_config, attention_backend, resolve_kernel_backend(sampler_backend)), params
 

@@ -71,6 +71,8 @@ class ModelConfig:
     sandwich_norms: bool = False  # (Gemma 2/3) attention and MLP outputs normed too, before their residual adds
     attn_softcap: float | None = None  # (Gemma 2) attention scores squashed to cap * tanh(score / cap)
     final_softcap: float | None = None  # (Gemma 2) logits squashed the same way
+    # matmul weights kept quantized (`models/quantize.py`: "int8", "fp8", "gguf"); None: in `dtype`
+    quantization: str | None = None
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]

@@ -23,6 +23,8 @@ from jaxpaged.config.engine_config import (
 from jaxpaged.config.lora import LoRAConfig
 from jaxpaged.config.speculative import SpeculativeConfig
 
+QUANTIZATIONS = ("int8", "fp8", "gguf")  # (models/quantize.py's methods)
+
 
 def check_multihost_args(num_processes: int, process_id: int, coordinator_address: str | None) -> None:
     """Raise ValueError naming the bad flag."""
@@ -58,6 +60,10 @@ class EngineArgs:
                                      "alone (a folder with config.json and a tokenizer), for benchmarks",
                              LOAD_FORMATS)
     dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
+    quantization: str | None = _flag(
+        None, "matmul weights kept quantized in memory: int8 or fp8 (quantized at load, one scale per output "
+              "channel), gguf (a GGUF file's blocks as they are); default: the checkpoint's own (an fp8 "
+              "checkpoint's quantization_config), else none (GGUF files dequantized); docs/quantization.md")
     kv_cache_dtype: str = _flag("auto", "KV cache dtype; auto: the model's dtype; bfloat16/float16 halve a float32 "
                                         "pool, fp8 quarters it (scaled per layer and KV head, see "
                                         "calculate_kv_scales)", KV_CACHE_DTYPES)
@@ -168,6 +174,10 @@ class EngineArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization is not None and self.tensor_parallel_size * self.data_parallel_size > 1:
+            raise ValueError("quantization: not supported with tensor_parallel_size or data_parallel_size > 1 yet")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
         for name in ("kv_offload_host_gb", "kv_offload_disk_gb"):

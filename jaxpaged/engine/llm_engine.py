@@ -40,6 +40,7 @@ from jaxpaged.layers.backends import resolve_attention_backend, resolve_kernel_b
 from jaxpaged.lora_request import LoRARequest
 from jaxpaged.metrics import EngineMetrics
 from jaxpaged.models.kv_scales import calibrated_kv_scales, is_fp8
+from jaxpaged.models.quantize import weight_bytes
 from jaxpaged.models.registry import (
     build_model,
     cpu_has_bf16_dot,
@@ -75,7 +76,7 @@ def prepare_model(args: EngineArgs) -> ModelSetup:
         multihost.initialize(args.num_processes, args.process_id, args.coordinator_address)
         multihost.check_mesh(args.tensor_parallel_size)
     path = args.model or default_model_path()
-    model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype())
+    model_config = model_config_from_hf(path, load_hf_config(path), args.resolved_dtype(), args.quantization)
     tokenizer = load_tokenizer(args.tokenizer or path)
     check_tensor_parallel(model_config, args.tensor_parallel_size, args.data_parallel_size)
     spec = args.resolved_speculative_config()
@@ -201,8 +202,10 @@ class LLMEngine:
                     m.add_lora_stack(lora.max_loras, lora.max_lora_rank)
             model = models[0]
             model_config = model.cfg  # (tensor parallelism: KV heads replicated up to the devices, where fewer)
-            logger.info("Loaded %s (%s, %s weights, %s activations) in %.1f s", path, model_config.architecture,
-                        model_config.dtype, model_config.compute_dtype, time.perf_counter() - t0)
+            logger.info("Loaded %s (%s, %s weights%s, %s activations, %.0f MiB) in %.1f s", path,
+                        model_config.architecture, model_config.dtype,
+                        f" kept {model_config.quantization}" if model_config.quantization else "",
+                        model_config.compute_dtype, weight_bytes(nnx.state(model)) / 2**20, time.perf_counter() - t0)
             if model_config.dtype == "float32" and not platform_is_gpu() and cpu_has_bf16_dot():
                 logger.info("This CPU has bf16 dot instructions: --dtype bfloat16 is faster here (bf16 weights, "
                             "float32 activations; greedy outputs differ slightly from float32's; SmolLM2-135M on "
@@ -249,8 +252,10 @@ class LLMEngine:
             load_format=args.load_format,
             lora=args.resolved_lora_config(),
         )
-        return cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
-                   draft_model=draft_model, kv_pool=kv_pool, lora_base_config=setup_config)
+        engine = cls(config, tokenizer, models if models and len(models) > 1 else model, stub=stub,
+                     draft_model=draft_model, kv_pool=kv_pool, lora_base_config=setup_config)
+        engine.param_bytes = param_bytes  # (the weights' bytes on the device, quantized forms as they are)
+        return engine
 
     def wait_for_steps(self) -> None:
         """Wait for the steps the step cache still loads in the background after warmup (a warm start serves at

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxpaged.layers.quant import Int8Panels, QuantizedWeight, panel_dense, quantized_dense
 from pallas_kernels import cpu_onednn
 from pallas_kernels.cpu_dense import can_pack, pack, packed_dense
 
@@ -30,7 +31,12 @@ def dense(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "P K pan
     rows (the step's tokens before its padding) and zeros the rest. Narrower
     weights than activations (bf16 weights, float32 activations: the CPU form) take x rounded to w's dtype into
     a dot with float32 output, the form XLA:CPU runs on the CPU's bf16 dot instructions (twice float32's rate;
-    a bf16-output dot takes a slow path)."""
+    a bf16-output dot takes a slow path). Quantized weights (`layers/quant.py`) are dequantized inside the dot,
+    or (`Int8Panels`) run oneDNN's integer GEMM on x quantized per row."""
+    if isinstance(w, Int8Panels):
+        return panel_dense(x, w, rows)
+    if isinstance(w, QuantizedWeight):
+        return quantized_dense(x, w)
     if w.ndim == 3:
         call = cpu_onednn.onednn_dense if w.dtype == jnp.bfloat16 else packed_dense
         return call(x, w, rows).astype(x.dtype)

@@ -12,7 +12,6 @@ place, out.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import jax
@@ -29,12 +28,11 @@ from jaxpaged.distributed.tensor_parallel import (
     POOL_SPEC,
     lora_sharding,
     mesh_size,
-    param_sharding,
     replicate_kv_heads,
     replicated,
 )
 from jaxpaged.layers.attention import paged_attention, write_kv
-from jaxpaged.layers.dense import cpu_layout, dense, gated_mlp, moe_mlp, rms_norm
+from jaxpaged.layers.dense import dense, gated_mlp, moe_mlp, rms_norm
 from jaxpaged.layers.lora import (
     a_name,
     adapter_slices,
@@ -44,42 +42,15 @@ from jaxpaged.layers.lora import (
     slot_gate,
     write_slot,
 )
+from jaxpaged.layers.quant import Int8Panels, QuantizedWeight, embedding_rows, is_quantized, quantized_dense
 from jaxpaged.layers.rope import apply_rope, model_rope_angles
 from jaxpaged.models.lora_adapter import LoRAAdapter, module_dims
-
-# Our parameter tree: name -> shape, for L layers; HF/GGUF loaders produce exactly these names.
-LAYER_PARAMS = ("input_norm", "wq", "wk", "wv", "wo", "post_norm", "w_gate", "w_up", "w_down")
-QKV_BIAS_PARAMS = ("bq", "bk", "bv")
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of every parameter the model expects, keyed by our names."""
-    E, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {
-        "embed": (V, E), "final_norm": (E,),
-        "layers.input_norm": (L, E), "layers.post_norm": (L, E),
-        "layers.wq": (L, E, q), "layers.wk": (L, E, kv), "layers.wv": (L, E, kv), "layers.wo": (L, q, E),
-    }
-    if cfg.dense_mlp:
-        shapes.update({"layers.w_gate": (L, E, F), "layers.w_up": (L, E, F), "layers.w_down": (L, F, E)})
-    if cfg.num_experts:  # (router [E, X]; expert weights [X, in, out])
-        X, Fe = cfg.num_experts, cfg.moe_intermediate_size
-        shapes.update({"layers.router": (L, E, X), "layers.we_gate": (L, X, E, Fe), "layers.we_up": (L, X, E, Fe),
-                       "layers.we_down": (L, X, Fe, E)})
-    if cfg.shared_expert:
-        shapes["layers.shared_gate"] = (L, E, 1)
-    if cfg.sandwich_norms:
-        shapes.update({"layers.attn_out_norm": (L, E), "layers.mlp_out_norm": (L, E)})
-    if cfg.qkv_bias:
-        shapes.update({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)})
-    if cfg.o_bias:
-        shapes["layers.bo"] = (L, E)
-    if cfg.qk_norm:
-        shapes.update({"layers.q_norm": (L, cfg.head_dim), "layers.k_norm": (L, cfg.head_dim)})
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
+from jaxpaged.models.param_tree import (  # noqa: F401  (LAYOUT_ENV, param_shapes, default_per_layer: re-exported)
+    LAYOUT_ENV,
+    default_per_layer,
+    model_params,
+    param_shapes,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +115,7 @@ def forward(
                                cfg.max_position_embeddings, cpu_kernel=cpu_rope)
     local_angles = angles if cfg.local_rope_theta is None else model_rope_angles(
         meta.positions, cfg.rope_dim, cfg.local_rope_theta, None, cfg.max_position_embeddings, cpu_kernel=cpu_rope)
-    x = params["embed"][token_ids]  # [T, E]
+    x = embedding_rows(params["embed"], token_ids, cfg.compute_dtype)  # [T, E]
     if cfg.embed_scale != 1.0:  # (a float32 product rounded once, as torch's bf16 x scalar)
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(x.dtype)
     x = x.astype(cfg.compute_dtype)
@@ -235,8 +206,11 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
     from the vocabulary-parallel shards onto every device (the sampler reads whole rows). rows: only the first
     rows' logits are needed (a packed LM head then leaves the others zero; other heads compute them all).
     scale: the logits times it (`ModelConfig.logits_scale`). softcap: then squashed to softcap * tanh(x / softcap)."""
-    if "lm_head" in params and params["lm_head"].ndim == 3:  # packed for the CPU call (`model_params`)
-        logits = dense(hidden, params["lm_head"], rows)
+    head = params.get("lm_head", params["embed"])
+    if isinstance(head, QuantizedWeight):
+        logits = quantized_dense(hidden, head, jnp.float32)
+    elif is_quantized(head) or ("lm_head" in params and head.ndim == 3):  # packed for a CPU call
+        logits = dense(hidden, head, rows).astype(jnp.float32)
     elif "lm_head" in params:
         logits = jax.lax.dot_general(hidden.astype(params["lm_head"].dtype), params["lm_head"],
                                      (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -251,107 +225,12 @@ def compute_logits(params: dict, hidden: Float[Array, "S E"], mesh=None,
     return logits if mesh is None else jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
-FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up"),
-         "we_gate_up": ("we_gate", "we_up")}
-
-
-def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
-    """Concatenate `parts` on their last axis in `shards` groups: [p0 part 0 | p1 part 0 | ... | p0 part 1 | ...],
-    so a column-parallel split into `shards` gives each device whole pieces of every part."""
-    grouped = [np.asarray(p).reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
-    fused = np.concatenate(grouped, axis=-1)
-    return fused.reshape(*fused.shape[:-2], -1)
-
-
-# Tied float32 tables up to this size get an [E, V] copy for the LM head on CPU (SmolLM2-135M: 113 MB, 360M:
-# 189 MB); bigger models, where the head is a smaller share of a step, keep their memory.
-TIED_HEAD_COPY_MAX_BYTES = 256 << 20
-
-
-# The weights `packed=True` lays out for the CPU dense call (`pallas_kernels.cpu_dense`).
-PACKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
-
-
-LAYOUT_ENV = "JAXPAGED_LAYER_LAYOUT"  # "per_layer" or "stacked": overrides the backend's default layout
-
-
-def default_per_layer() -> bool:
-    """Whether layers default to one weight dict each (CPU) or stacked under `lax.scan` (elsewhere), unless
-    $JAXPAGED_LAYER_LAYOUT names one: on a GPU the scan is an XLA while loop, one command buffer per layer and
-    its carries copied (an H200 profile, 2026-12-04), which the per-layer loop may avoid; there to time both."""
-    layout = os.environ.get(LAYOUT_ENV, "")
-    if layout not in ("", "per_layer", "stacked"):
-        raise ValueError(f"${LAYOUT_ENV} must be 'per_layer' or 'stacked', got {layout!r}")
-    return layout == "per_layer" if layout else jax.default_backend() == "cpu"
-
-
-def resolve_per_layer(cfg: ModelConfig, per_layer: bool | None) -> bool:
-    """The layout to use: `per_layer` as asked (None: `default_per_layer()`), but per layer whatever the default
-    for layers of different kinds (Gemma 3's sliding and full ones: one scan body cannot hold both)."""
-    if not cfg.uniform_layers:
-        if per_layer is False:
-            raise ValueError("layers of different kinds (sliding and full attention) need the per-layer layout")
-        return True
-    return default_per_layer() if per_layer is None else per_layer
-
-
-def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer: bool | None = None,
-                 mesh=None, packed: bool = False) -> dict:
-    """Our parameter tree from the loaders' flat names ("layers.wq" -> params["layers"]["wq"]), in cfg.dtype.
-
-    q/k/v (and their biases) and gate/up are concatenated on their output axis into "wqkv", "bqkv" and
-    "w_gate_up" (in one group per device of `mesh`: `_fuse`). per_layer=False: params["layers"] is a dict of
-    [L, ...] arrays; True: a list of L dicts; None: `default_per_layer()` (per layer on CPU, stacked elsewhere;
-    see the module docstring). mesh: tensor parallelism; each array goes from the host straight to its shards
-    (`tensor_parallel.param_sharding`), so no device ever holds a whole model. packed: per-layer weights are
-    laid out for a CPU dense call (`layers.dense.cpu_layout`; `dense` and `compute_logits` take either form):
-    float32 ones (and a float32 [E, V] LM head) as column panels [N / panel, K, panel], so XLA:CPU does not
-    repack them; bf16 ones as [1, K, N] for oneDNN's bf16 GEMM, where it is installed (the bf16 LM head keeps
-    XLA's dot, as fast there).
-    """
-    per_layer = resolve_per_layer(cfg, per_layer)
-    expected = param_shapes(cfg)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"weights are missing {missing}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
-    dtype = jnp.dtype(cfg.dtype)
-
-    def put(name: str, x, stacked: bool = False):
-        if mesh is None:
-            return jnp.asarray(x, dtype)
-        x = np.asarray(x)
-        return place(x if x.dtype == dtype else x.astype(dtype), param_sharding(mesh, name, x.shape, stacked))
-
-    layers = {name[len("layers."):]: weights[name] for name in expected if name.startswith("layers.")}
-    for fused, parts in FUSED.items():
-        if all(p in layers for p in parts):
-            layers[fused] = _fuse([layers.pop(p) for p in parts], mesh_size(mesh))
-    packed = packed and per_layer and mesh is None and dtype in (jnp.float32, jnp.bfloat16)
-
-    def put_layer(name: str, x):  # (laid out for a CPU dense call where one takes it, else as `put`)
-        laid_out = None
-        if packed and name in PACKED_WEIGHTS and (name != "lm_head" or dtype == jnp.float32):
-            laid_out = cpu_layout(x, dtype)
-        return put(name, x) if laid_out is None else laid_out
-
-    params: dict = {name: (put_layer if name == "lm_head" else put)(name, weights[name]) for name in expected
-                    if not name.startswith("layers.")}
-    if (cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32
-            and weights["embed"].size * 4 <= TIED_HEAD_COPY_MAX_BYTES):
-        # A float32 LM head of its own, [E, V]: XLA:CPU's dot transposes a tied [V, E] table every call
-        # (docs/benchmarks/design-choices.md). bf16's tied dot is faster as is.
-        params["lm_head"] = put_layer("lm_head", np.ascontiguousarray(np.asarray(weights["embed"]).T))
-    if per_layer:
-        params["layers"] = [{k: put_layer(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
-    else:
-        params["layers"] = {k: put(k, v, stacked=True) for k, v in layers.items()}
-    return params
-
-
 _data = getattr(nnx, "data", lambda x: x)  # (flax >= 0.12 wants data attributes first set to None marked)
+
+
+def _value(v: nnx.Variable):
+    """A variable's value, an array or a quantized weight's pytree (`v[...]` indexes, which a pytree cannot)."""
+    return v.get_value() if hasattr(v, "get_value") else v.value
 
 
 class LlamaLayers(nnx.Module):
@@ -362,7 +241,7 @@ class LlamaLayers(nnx.Module):
             setattr(self, name, nnx.Param(w))
 
     def arrays(self) -> dict[str, jax.Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return {k: _value(v) for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -446,14 +325,17 @@ class LlamaForCausalLM(nnx.Module):
         """Whether a step costs its whole token bucket: False where the layers' weights are packed for the CPU
         dense call, which multiplies only the step's real tokens (`AttentionMetadata.num_real_tokens`)."""
         # (stacked layers' [L, K, N] weights are 3-D too, and never packed)
-        return not (isinstance(self.layers, nnx.List) and self.layers[0].arrays()["wqkv"].ndim == 3)
+        if not isinstance(self.layers, nnx.List):
+            return True
+        wqkv = self.layers[0].arrays()["wqkv"]
+        return not (isinstance(wqkv, Int8Panels) or (not is_quantized(wqkv) and wqkv.ndim == 3))
 
     def params(self) -> dict:
         """The parameter tree `forward` takes."""
         layers = self.layers.arrays() if isinstance(self.layers, LlamaLayers) else [x.arrays() for x in self.layers]
-        out = {"embed": self.embed[...], "final_norm": self.final_norm[...], "layers": layers}
+        out = {"embed": _value(self.embed), "final_norm": self.final_norm[...], "layers": layers}
         if self.lm_head is not None:
-            out["lm_head"] = self.lm_head[...]
+            out["lm_head"] = _value(self.lm_head)
         if self.kv_scale is not None:
             out["kv_scale"] = self.kv_scale[...]
         return out

@@ -19,6 +19,7 @@ from jaxpaged.layers.rope import ROPE_TYPES
 from jaxpaged.models.converted import is_converted, load_converted
 from jaxpaged.models.gguf_import import gguf_hf_folder
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.quantize import resolve_quantization
 from jaxpaged.models.weights import load_gguf_weights, load_safetensors_weights
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,11 @@ def cpu_has_bf16_dot() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
-    """Our ModelConfig from a transformers config (activations: `activation_dtype_for(dtype)`)."""
+def model_config_from_hf(path: str, hf_config, dtype: str, quantization: str | None = None) -> ModelConfig:
+    """Our ModelConfig from a transformers config (activations: `activation_dtype_for(dtype)`). quantization:
+    the --quantization flag, checked against the checkpoint's own (`models/quantize.resolve_quantization`)."""
     arch = architecture_of(hf_config)
+    quantization = resolve_quantization(quantization, hf_config, is_gguf(path))
     c = hf_config
     if getattr(c, "text_config", None) is not None and getattr(c, "hidden_size", None) is None:
         raise ValueError(f"{arch} with a multimodal config (model_type {getattr(c, 'model_type', '?')!r}: a "
@@ -261,7 +264,7 @@ def model_config_from_hf(path: str, hf_config, dtype: str) -> ModelConfig:
         qkv_bias=(arch == "Qwen2ForCausalLM" or attention_bias
                   or (arch == "Qwen2MoeForCausalLM" and getattr(c, "qkv_bias", True))), o_bias=attention_bias,
         sliding_window=int(sliding) if sliding else None,
-        eos_token_ids=_eos_token_ids(path, c), dtype=dtype,
+        eos_token_ids=_eos_token_ids(path, c), dtype=dtype, quantization=quantization,
         activation_dtype=activation_dtype_for(dtype), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         hidden_act=_activation(c, arch), norm_offset=1.0 if gemma else 0.0,
         embed_scale=(float(np.asarray(c.hidden_size ** 0.5, jax.numpy.dtype(dtype))) if gemma  # (HF rounds it)

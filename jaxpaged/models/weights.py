@@ -11,9 +11,12 @@ import os
 import re
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.quantize import HostQuant
+from jaxpaged.models.quantize import stack as stack_quant
 
 # HF per-layer tensor name -> (our name, transpose?)
 _HF_LAYER = {
@@ -57,6 +60,15 @@ _GGUF_GLOBAL = {"token_embd.weight": ("embed", False), "output_norm.weight": ("f
                 "output.weight": ("lm_head", True)}
 
 
+def _oriented(w, transpose: bool):
+    """A loaded tensor in our [in, out] orientation (quantized ones come oriented)."""
+    return w.T if transpose and not isinstance(w, HostQuant) else w
+
+
+def _stack(slots: list):
+    return stack_quant(slots) if isinstance(slots[0], HostQuant) else np.stack(slots)
+
+
 def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: str) -> dict[str, np.ndarray]:
     """Collect (name, loader) pairs into our tree, stacking per-layer tensors."""
     out: dict[str, np.ndarray] = {}
@@ -65,8 +77,7 @@ def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: 
     for name, load in items:
         if name in global_map:
             ours, transpose = global_map[name]
-            w = load()
-            out[ours] = w.T if transpose else w
+            out[ours] = _oriented(load(), transpose)
             continue
         if not name.startswith(layer_prefix):
             continue
@@ -82,12 +93,13 @@ def _stack_layers(cfg: ModelConfig, items, layer_map, global_map, layer_prefix: 
             continue
         ours, transpose = layer_map[rest]
         slots = per_layer.setdefault(ours, [None] * cfg.num_layers)
-        w = load()
-        slots[int(idx_str)] = w.T if transpose else w
+        slots[int(idx_str)] = _oriented(load(), transpose)
     for ours, slots in per_layer.items():
         if any(s is None for s in slots):
             raise ValueError(f"checkpoint lacks {ours} for some layers")
-        out["layers." + ours] = np.stack(slots)
+        if len({type(s) for s in slots}) != 1:
+            raise ValueError(f"checkpoint has {ours} quantized in some layers and not in others")
+        out["layers." + ours] = _stack(slots)
     for ours, grid in experts.items():
         if any(s is None for row in grid for s in row):
             raise ValueError(f"checkpoint lacks {ours} for some layers' experts")
@@ -109,13 +121,55 @@ def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndar
     handles = [safe_open(f, framework="flax") for f in files]  # flax: bfloat16 tensors load too
 
     def items():
-        for h in handles:
-            for name in h.keys():
+        for file, h in zip(files, handles):
+            names = set(h.keys())
+            for name in names:
+                if name.endswith(_FP8_SIDE):
+                    if name.endswith("weight_scale_inv"):
+                        raise ValueError(f"{name}: block-wise fp8 scales are not supported (per-tensor and "
+                                         "per-channel weight_scale are)")
+                    continue
                 load = lambda h=h, name=name: np.asarray(h.get_tensor(name))  # noqa: E731
+                if name + "_scale" in names and cfg.quantization == "fp8":
+                    load = _fp8_loader(h, file, name)
                 yield from _split_fused(cfg, name, load)
 
     layer_map = _HF_SANDWICH_LAYER if cfg.sandwich_norms else _HF_LAYER
     return _stack_layers(cfg, items(), layer_map, _HF_GLOBAL, "model.layers.")
+
+
+_FP8_SIDE = (".weight_scale", ".input_scale", ".weight_scale_inv")  # (an fp8 checkpoint's tensors beside weights)
+
+
+def _raw_tensor(file: str, name: str) -> np.ndarray:
+    """A tensor read from a safetensors file's own layout (an 8-byte header size, a JSON header, the bytes):
+    safetensors' numpy and flax readers have no float8 dtype."""
+    import json
+
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+    kinds = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    if entry["dtype"] not in kinds:
+        raise ValueError(f"{name}: dtype {entry['dtype']} where an fp8 weight was expected")
+    start, end = entry["data_offsets"]
+    raw = np.memmap(file, np.uint8, "r", offset=8 + size + start, shape=(end - start,))
+    return np.asarray(raw).view(kinds[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _fp8_loader(handle, file: str, name: str) -> Callable[[], HostQuant]:
+    """An fp8 checkpoint's weight ([out, in] float8 e4m3) and its weight_scale (one, or one per output) as
+    `HostQuant` [in, out]; the activations' input_scale is not used (weights only)."""
+    def load():
+        w = _raw_tensor(file, name)
+        scale = np.asarray(handle.get_tensor(name + "_scale"), np.float32).reshape(-1)
+        if w.ndim != 2 or w.dtype != ml_dtypes.float8_e4m3fn:
+            raise ValueError(f"{name}: an fp8 checkpoint's weight must be 2-D float8_e4m3fn, got {w.dtype} {w.shape}")
+        if scale.size not in (1, w.shape[0]):
+            raise ValueError(f"{name}_scale has {scale.size} values for {w.shape[0]} rows: per-tensor or "
+                             "per-channel scales are supported")
+        return HostQuant(np.ascontiguousarray(w.T), np.broadcast_to(scale, (w.shape[0],)).reshape(1, -1).copy())
+    return load
 
 
 # Checkpoints with fused projections (Phi-3): their [out, in] rows split into the separate tensors' names.
@@ -140,6 +194,8 @@ def _split_fused(cfg: ModelConfig, name: str, load: Callable[[], np.ndarray]):
     def part_loader(lo: int, hi: int) -> Callable[[], np.ndarray]:
         def load_part():
             w = whole()
+            if isinstance(w, HostQuant):
+                raise ValueError(f"{name}: quantized fused projections (qkv_proj, gate_up_proj) are not supported")
             if w.shape[0] != starts[-1]:
                 raise ValueError(f"{name} has {w.shape[0]} rows, the config needs {starts[-1]}")
             return w[lo:hi]
@@ -155,17 +211,37 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# GGUF matmul tensors `quantization="gguf"` keeps in their blocks (`models/gguf_blocks.py`)
+_GGUF_KEPT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+              "ffn_up.weight", "ffn_down.weight", "token_embd.weight", "output.weight")
+
+
 def load_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantize a GGUF file's tensors (any gguf-supported quantization) into our tree, float32."""
+    """A GGUF file's tensors in our tree: dequantized (any gguf-supported quantization) to float32, or with
+    cfg.quantization "gguf" its matmul weights kept as quantized blocks (`HostQuant`)."""
     import gguf
+
+    from jaxpaged.models.gguf_blocks import gguf_host_quant
 
     reader = gguf.GGUFReader(path)
     # llama.cpp permutes q/k rows only where it runs interleaved RoPE (its `llama` architecture, Mistral
     # included); Qwen2/Qwen3 files keep HF's rotate-half order (NEOX RoPE), as transformers' GGUF reader assumes
     permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    keep = cfg.quantization == "gguf"
+
+    def rows_fix(name: str):
+        if permuted and name.endswith("attn_q.weight"):
+            return lambda w: _unpermute_rope(w, cfg.num_heads)
+        if permuted and name.endswith("attn_k.weight"):
+            return lambda w: _unpermute_rope(w, cfg.num_kv_heads)
+        return None
 
     def loader(t) -> Callable[[], np.ndarray]:
         def load():
+            if keep and t.name.endswith(_GGUF_KEPT):
+                quantized = gguf_host_quant(t, rows_fix(t.name))
+                if quantized is not None:
+                    return quantized
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             w = w.reshape(tuple(int(x) for x in reversed(t.shape)))
             if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models import build_model, llama, load_hf_config, model_config_from_hf
+from jaxpaged.models import build_model, load_hf_config, model_config_from_hf, param_tree
 from pallas_kernels import cpu_dense
 from tests.reference import hf_greedy, hf_last_logits, our_last_logits_batch
 from tests.tiny_models import load_hf_model
@@ -67,7 +67,7 @@ def test_tied_float32_cpu_params_carry_their_own_lm_head(tiny_model_dir, monkeyp
     assert "lm_head" not in build_model(cfg, per_layer=False).params()
     bf16 = model_config_from_hf(path, load_hf_config(path), "bfloat16")
     assert "lm_head" not in build_model(bf16, per_layer=True).params()
-    monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(param_tree, "TIED_HEAD_COPY_MAX_BYTES", 0)
     assert "lm_head" not in build_model(cfg, per_layer=True).params()
 
 

@@ -1,0 +1,204 @@
+"""Quantized weights on the host, between a checkpoint and the device: `HostQuant`, what the loaders return for a
+matmul weight kept quantized (a GGUF block type, an fp8 checkpoint's tensor) and what `--quantization int8|fp8`
+makes of a float one; and their device forms (`layers/quant.py`).
+
+The methods (`QUANTIZATIONS`):
+- "int8": weight-only int8, one symmetric scale per output channel (max |w| / 127), quantized at load.
+- "fp8": float8 e4m3 codes, one scale per output channel (max |w| / 448), quantized at load; or an fp8
+  checkpoint's own codes and scales (per tensor or per channel), detected from its `quantization_config`.
+- "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks kept as they are (`models/gguf_blocks.py`; other block
+  types requantized to int8 in blocks of 32 rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxpaged.layers.quant import Int8Panels, QuantizedWeight
+from pallas_kernels import cpu_onednn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "fp8", "gguf")
+# the matmul weights a method quantizes (by our fused names; the embedding table too, as the LM head's [E, V])
+QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head", "embed")
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+@dataclass
+class HostQuant:
+    """A [..., K, N] weight as codes and per-group scales on the host: w[k, n] = code[k, n] * scale[k // g, n] +
+    offset[k // g, n], g = K / G. Codes: int8 (bits 8, signed), uint8 of `bits` < 8 (unsigned, one per byte), or
+    float8_e4m3fn."""
+
+    codes: np.ndarray  # [..., K, N]
+    scale: np.ndarray  # [..., G, N] float32, or float16 (a GGUF block's own)
+    offset: np.ndarray | None = None  # [..., G, N] as scale; None: zero
+    bits: int = 8
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.codes.ndim
+
+    def __getitem__(self, i) -> HostQuant:
+        return HostQuant(self.codes[i], self.scale[i], None if self.offset is None else self.offset[i], self.bits)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight (the reference formula)."""
+        *lead, k, n = self.codes.shape
+        g = self.scale.shape[-2]
+        w = self.codes.astype(np.float32).reshape(*lead, g, k // g, n) * self.scale[..., None, :].astype(np.float32)
+        if self.offset is not None:
+            w = w + self.offset[..., None, :].astype(np.float32)
+        return w.reshape(*lead, k, n)
+
+
+def stack(parts: list[HostQuant]) -> HostQuant:
+    """Per-layer weights stacked on a new leading axis."""
+    return HostQuant(np.stack([p.codes for p in parts]), np.stack([p.scale for p in parts]),
+                     _offsets(parts, np.stack), _bits(parts))
+
+
+def concat(parts: list[HostQuant]) -> HostQuant:
+    """Weights side by side on the output axis (q | k | v), regrouped to the coarsest group size they share."""
+    groups = min(p.scale.shape[-2] for p in parts)
+    parts = [p if p.scale.shape[-2] == groups else _regroup(p, groups) for p in parts]
+    cat = lambda xs: np.concatenate(xs, axis=-1)  # noqa: E731
+    return HostQuant(cat([p.codes for p in parts]), cat([p.scale for p in parts]), _offsets(parts, cat),
+                     _bits(parts))
+
+
+def _bits(parts: list[HostQuant]) -> int:
+    if len({(p.bits, p.codes.dtype) for p in parts}) != 1:
+        raise ValueError("weights fused into one matmul (q/k/v, gate/up) must share a quantization; got "
+                         f"{sorted({(p.bits, str(p.codes.dtype)) for p in parts})}")
+    return parts[0].bits
+
+
+def _offsets(parts: list[HostQuant], join) -> np.ndarray | None:
+    if all(p.offset is None for p in parts):
+        return None
+    return join([np.zeros_like(p.scale) if p.offset is None else p.offset.astype(p.scale.dtype) for p in parts])
+
+
+def _regroup(p: HostQuant, groups: int) -> HostQuant:
+    """`p` requantized to int8 in `groups` groups (where fused parts' group sizes differ)."""
+    return quantize_int8(p.dequantize(), groups)
+
+
+def quantize_int8(w: np.ndarray, groups: int = 1) -> HostQuant:
+    """Symmetric int8 codes, one scale per output channel and group of K / groups rows."""
+    w = np.asarray(w, np.float32)
+    *lead, k, n = w.shape
+    blocks = w.reshape(*lead, groups, k // groups, n)
+    scale = np.max(np.abs(blocks), axis=-2) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(blocks / scale[..., None, :]), -127, 127).astype(np.int8)
+    return HostQuant(codes.reshape(*lead, k, n), scale)
+
+
+def quantize_fp8(w: np.ndarray) -> HostQuant:
+    """float8 e4m3 codes, one scale per output channel (max |w| / 448)."""
+    w = np.asarray(w, np.float32)
+    scale = np.max(np.abs(w), axis=-2, keepdims=True) / FP8_MAX
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return HostQuant((w / scale).astype(ml_dtypes.float8_e4m3fn), scale)
+
+
+def quantize(w: np.ndarray, method: str, groups: int = 1) -> HostQuant:
+    """A float [..., K, N] weight quantized at load by `method` ("int8": in `groups` groups of rows; "fp8")."""
+    if method == "int8":
+        return quantize_int8(w, groups)
+    if method == "fp8":
+        return quantize_fp8(w)
+    raise ValueError(f"quantization {method!r} does not quantize float weights at load (int8 or fp8 do)")
+
+
+def device_weight(h: HostQuant) -> QuantizedWeight:
+    """The device form: 4-bit codes packed two a byte (rows 2i, 2i + 1 in the low, high nibble) where K is even."""
+    codes = h.codes
+    bits = h.bits
+    if bits < 8 and bits != 4:
+        bits = 8  # (other widths travel as int8: values up to 127)
+        codes = codes.astype(np.int8)
+    if bits == 4:
+        if codes.shape[-2] % 2:
+            bits, codes = 8, codes.astype(np.int8)
+        else:
+            pairs = codes.reshape(*codes.shape[:-2], codes.shape[-2] // 2, 2, codes.shape[-1]).astype(np.uint8)
+            codes = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+    def floats(a):  # (float16 kept: GGUF's block scales, exact at half the bytes)
+        return jnp.asarray(a, a.dtype if a.dtype == np.float16 else jnp.float32)
+
+    offset = None if h.offset is None else floats(h.offset)
+    return QuantizedWeight(jnp.asarray(codes), floats(h.scale), offset, bits)
+
+
+def vocab_groups(k: int) -> int:
+    """Groups of 32 rows for an int8 vocabulary table ([E, V]: the LM head, the embedding): one scale per token
+    row is too coarse where a few of its dims are outliers (SmolLM2's: logits off by 10 at one scale a token)."""
+    return k // 32 if k % 32 == 0 else 1
+
+
+def bf16_head(h: HostQuant) -> jax.Array | None:
+    """A quantized LM head [E, V] dequantized into oneDNN's bf16 layout for the CPU call (the integer GEMM's per
+    row input scale costs the logits too much precision), or None where that call is unavailable."""
+    return cpu_onednn.layout(h.dequantize())
+
+
+def panels(h: HostQuant | np.ndarray) -> Int8Panels | None:
+    """A [K, N] weight (quantized, or float) as per-channel int8 oneDNN panels, or None where oneDNN's int8 call
+    is unavailable. Per-channel int8 codes are kept exactly; other forms are dequantized and requantized."""
+    if not cpu_onednn.available():
+        return None
+    if isinstance(h, HostQuant) and h.codes.dtype == np.int8 and h.scale.shape[-2] == 1 and h.offset is None:
+        q = h
+    else:
+        q = quantize_int8(h.dequantize() if isinstance(h, HostQuant) else h)
+    packed = cpu_onednn.pack_s8(q.codes)
+    if packed is None:
+        return None
+    return Int8Panels(jnp.asarray(packed), jnp.asarray(q.scale[0], jnp.float32), q.codes.shape[0])
+
+
+def checkpoint_quantization(hf_config) -> str | None:
+    """The method a checkpoint's `quantization_config` names, as ours ("fp8"), or None; ValueError for one not
+    served."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) or "?"
+    method = str(getattr(method, "value", method)).lower()
+    if method == "fp8":
+        return "fp8"
+    raise ValueError(f"the checkpoint's quantization_config.quant_method {method!r} is not supported (served: fp8 "
+                     "checkpoints, GGUF files with --quantization gguf, and float ones quantized at load with "
+                     "--quantization int8 or fp8; docs/quantization.md)")
+
+
+def resolve_quantization(requested: str | None, hf_config, gguf_file: bool) -> str | None:
+    """The method a model loads with: `requested` (the --quantization flag), else the checkpoint's own; ValueError
+    naming the flag where they conflict."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {requested!r}")
+    if requested == "gguf" and not gguf_file:
+        raise ValueError("quantization='gguf' keeps a GGUF file's blocks; the model is not a .gguf file")
+    found = None if gguf_file else checkpoint_quantization(hf_config)
+    if found is not None and requested not in (None, found):
+        raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized as {found!r}")
+    return requested or found
+
+
+def weight_bytes(params) -> int:
+    """Bytes of a parameter tree's arrays (quantized forms count their codes and scales)."""
+    return sum(x.nbytes for x in jax.tree.leaves(params))
