@@ -77,6 +77,7 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
                       mask_us_per_row=1e6 * so.mask_seconds / max(so.mask_rows, 1),
                       mask_share_of_wall=so.mask_seconds / wall)
     result["token_ids"] = [o.outputs[0].token_ids for o in outs]
+    result["weight_bytes"] = getattr(eng, "param_bytes", 0)
     if n > 1:  # every sample's tokens count as output
         result["output_tokens"] *= n
         result["output_tokens_per_s"] *= n
@@ -185,6 +186,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-lora", type=int, default=None, metavar="N",
                    help="the workload over N random LoRA adapters and the base model, against the base model alone")
     p.add_argument("--lora-rank", type=int, default=16, help="with --compare-lora: the adapters' rank")
+    p.add_argument("--compare-quantization", default=None, metavar="LIST",
+                   help="run jaxpaged as given, then once per comma-separated entry (a --quantization method: int8, "
+                        "fp8, gguf; or a dtype: bfloat16), and compare throughput, weight memory and greedy "
+                        "agreement with the first")
     p.add_argument("--workload", choices=["random", "copy"], default="random",
                    help="random: random-token prompts (--input-len, --output-len); copy: chat prompts asking to "
                         "repeat a paragraph word for word (output: its length, capped by the upper --output-len)")
@@ -246,6 +251,11 @@ def main(ns: argparse.Namespace) -> list[dict]:
         from jaxpaged.bench.lora import compare_lora
 
         return _report(compare_lora(reqs, engine_args, ns.compare_lora, ns.lora_rank, ns.temperature, run_jaxpaged), ns)
+    if ns.compare_quantization:
+        from jaxpaged.bench.quantization import compare_quantization
+
+        entries = [e.strip() for e in ns.compare_quantization.split(",") if e.strip()]
+        return _report(compare_quantization(reqs, engine_args, entries, ns.temperature, run_jaxpaged), ns)
     if ns.compare_prefix_caching:
         import dataclasses
 
