@@ -66,6 +66,17 @@ class Int8Panels:
         return self.packed.nbytes + self.scale.nbytes
 
 
+def int8_panels(codes, scale) -> Int8Panels | None:
+    """Per-channel int8 codes [K, N] (numpy) and their scales [N] as `Int8Panels`, or None where oneDNN's int8
+    GEMM is unavailable."""
+    if not cpu_onednn.available():
+        return None
+    packed = cpu_onednn.pack_s8(codes)
+    if packed is None:
+        return None
+    return Int8Panels(jnp.asarray(packed), jnp.asarray(scale, jnp.float32), codes.shape[0])
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, (QuantizedWeight, Int8Panels))
 

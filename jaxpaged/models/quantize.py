@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxpaged.layers.quant import Int8Panels, QuantizedWeight
-from pallas_kernels import cpu_onednn
+from jaxpaged.layers.dense import cpu_layout
+from jaxpaged.layers.quant import Int8Panels, QuantizedWeight, int8_panels
 
 logger = logging.getLogger(__name__)
 
@@ -153,22 +153,17 @@ def vocab_groups(k: int) -> int:
 def bf16_head(h: HostQuant) -> jax.Array | None:
     """A quantized LM head [E, V] dequantized into oneDNN's bf16 layout for the CPU call (the integer GEMM's per
     row input scale costs the logits too much precision), or None where that call is unavailable."""
-    return cpu_onednn.layout(h.dequantize())
+    return cpu_layout(h.dequantize(), jnp.bfloat16)
 
 
 def panels(h: HostQuant | np.ndarray) -> Int8Panels | None:
     """A [K, N] weight (quantized, or float) as per-channel int8 oneDNN panels, or None where oneDNN's int8 call
     is unavailable. Per-channel int8 codes are kept exactly; other forms are dequantized and requantized."""
-    if not cpu_onednn.available():
-        return None
     if isinstance(h, HostQuant) and h.codes.dtype == np.int8 and h.scale.shape[-2] == 1 and h.offset is None:
         q = h
     else:
         q = quantize_int8(h.dequantize() if isinstance(h, HostQuant) else h)
-    packed = cpu_onednn.pack_s8(q.codes)
-    if packed is None:
-        return None
-    return Int8Panels(jnp.asarray(packed), jnp.asarray(q.scale[0], jnp.float32), q.codes.shape[0])
+    return int8_panels(q.codes, q.scale[0])
 
 
 def checkpoint_quantization(hf_config) -> str | None:
