@@ -17,6 +17,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations
+QUANTIZATIONS = ("int8", "fp8", "gguf")  # matmul weights kept quantized (`models/quantize.py`)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ModelConfig:
     sandwich_norms: bool = False  # (Gemma 2/3) attention and MLP outputs normed too, before their residual adds
     attn_softcap: float | None = None  # (Gemma 2) attention scores squashed to cap * tanh(score / cap)
     final_softcap: float | None = None  # (Gemma 2) logits squashed the same way
-    # matmul weights kept quantized (`models/quantize.py`: "int8", "fp8", "gguf"); None: in `dtype`
+    # matmul weights kept quantized (`models/quantize.py`: one of QUANTIZATIONS); None: in `dtype`
     quantization: str | None = None
 
     def window_of(self, layer: int) -> int | None:

@@ -14,6 +14,7 @@ from jaxpaged.config.engine_config import (
     DTYPES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     SchedulerConfig,
     fine_token_buckets_for,
     kv_pool_dtype,
@@ -22,8 +23,6 @@ from jaxpaged.config.engine_config import (
 )
 from jaxpaged.config.lora import LoRAConfig
 from jaxpaged.config.speculative import SpeculativeConfig
-
-QUANTIZATIONS = ("int8", "fp8", "gguf")  # (models/quantize.py's methods)
 
 
 def check_multihost_args(num_processes: int, process_id: int, coordinator_address: str | None) -> None:

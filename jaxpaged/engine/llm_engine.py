@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -221,8 +220,7 @@ class LLMEngine:
                         calibrate_kv_scales(m, tokenizer, args.resolved_kv_dtype())
                 for m in models[1:]:  # (the replicas: the same weights, the same scales)
                     m.set_kv_scales(model.kv_scale[...])
-            param_bytes = sum(x.nbytes for m in (model, draft_model) if m is not None
-                              for x in jax.tree.leaves(nnx.state(m)))
+            param_bytes = sum(weight_bytes(nnx.state(m)) for m in (model, draft_model) if m is not None)
         if blocks is None:
             blocks = num_kv_blocks(args, model_config, args.block_size, param_bytes, draft_config)
         blocks = multihost.from_leader(blocks)  # (several processes: each sized its own; all take process 0's)

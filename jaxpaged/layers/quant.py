@@ -9,9 +9,10 @@ nnx like them, and count their true bytes where the KV pool is sized):
   the low and high nibble. `quantized_dense` dequantizes inside the jitted dot: where G = 1 the scale multiplies
   the dot's output instead (one multiply per output, not per weight); XLA on GPUs fuses the convert into the
   GEMM's operand read.
-- `Int8Panels` (CPUs with oneDNN's int8 brgemm, AVX512-VNNI / AMX): per-channel int8 weights reordered once into
-  oneDNN's layout; each call quantizes its input rows to int8 (one symmetric scale per row) and runs an integer
-  GEMM, 2.5x float32's packed call and 1.6x oneDNN's bf16 at decode rows (docs/benchmarks/quantization.md).
+- `Int8Panels` (CPUs with oneDNN's int8 brgemm, AVX512-VNNI / AMX; only with $JAXPAGED_CPU_INT8_GEMM=1):
+  per-channel int8 weights reordered once into oneDNN's layout; each call quantizes its input rows to int8 (one
+  symmetric scale per row) and runs an integer GEMM. Faster than the bf16 GEMM per call, but the per-row input
+  scale cost SmolLM2 its accuracy (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -42,10 +43,6 @@ class QuantizedWeight:
         *lead, k, n = self.codes.shape
         return (*lead, k * 2 if self.bits == 4 else k, n)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self))
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -60,10 +57,6 @@ class Int8Panels:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.k, self.scale.shape[-1])
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes
 
 
 def int8_panels(codes, scale) -> Int8Panels | None:

@@ -17,7 +17,7 @@ from jaxpaged.layers.dense import cpu_layout
 from jaxpaged.models.quantize import (
     QUANTIZED_WEIGHTS,
     HostQuant,
-    bf16_head,
+    bf16_layout,
     device_weight,
     panels,
     quantize,
@@ -69,8 +69,9 @@ def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
     """Concatenate `parts` on their last axis in `shards` groups: [p0 part 0 | p1 part 0 | ... | p0 part 1 | ...],
     so a column-parallel split into `shards` gives each device whole pieces of every part. Quantized parts
     (`HostQuant`): side by side, one group."""
-    if any(isinstance(p, HostQuant) for p in parts):
-        return quant_concat([p if isinstance(p, HostQuant) else quantize_int8(p) for p in parts])
+    if any(isinstance(p, HostQuant) for p in parts):  # (a float part beside quantized ones: int8, in their groups)
+        groups = min(p.scale.shape[-2] for p in parts if isinstance(p, HostQuant))
+        return quant_concat([p if isinstance(p, HostQuant) else quantize_int8(p, groups) for p in parts])
     grouped = [np.asarray(p).reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
     fused = np.concatenate(grouped, axis=-1)
     return fused.reshape(*fused.shape[:-2], -1)
@@ -175,8 +176,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
         integer = os.environ.get(INT8_GEMM_ENV) == "1" and name in INTEGER_GEMM_WEIGHTS
         if isinstance(x, HostQuant) and packed and integer and (p := panels(x)) is not None:
             return p
-        if isinstance(x, HostQuant) and packed and name in PACKED_WEIGHTS and (b := bf16_head(x)) is not None:
-            return b  # (inputs with outlier dims: the integer GEMM's per-row input scale costs too much there)
+        if isinstance(x, HostQuant) and packed and name in PACKED_WEIGHTS and (b := bf16_layout(x)) is not None:
+            return b
         if isinstance(x, HostQuant):
             return device_weight(x)
         laid_out = None
@@ -186,8 +187,8 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
 
     params: dict = {name: (put_layer if name in ("lm_head", "embed") else put)(name, w) for name, w in top.items()}
     if isinstance(top["embed"], HostQuant):
-        if cfg.tie_word_embeddings and packed:  # (the integer GEMM's panels beside the table's codes)
-            if (head := bf16_head(top["embed"])) is not None:
+        if cfg.tie_word_embeddings and packed:  # (an LM head for the CPU call beside the table's codes)
+            if (head := bf16_layout(top["embed"])) is not None:
                 params["lm_head"] = head
     elif (cfg.tie_word_embeddings and per_layer and mesh is None and dtype == jnp.float32
             and weights["embed"].size * 4 <= TIED_HEAD_COPY_MAX_BYTES):

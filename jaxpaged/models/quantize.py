@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxpaged.config.engine_config import QUANTIZATIONS
 from jaxpaged.layers.dense import cpu_layout
 from jaxpaged.layers.quant import Int8Panels, QuantizedWeight, int8_panels
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "fp8", "gguf")
 # the matmul weights a method quantizes (by our fused names; the embedding table too, as the LM head's [E, V])
 QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head", "embed")
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -34,7 +34,7 @@ FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 @dataclass
 class HostQuant:
     """A [..., K, N] weight as codes and per-group scales on the host: w[k, n] = code[k, n] * scale[k // g, n] +
-    offset[k // g, n], g = K / G. Codes: int8 (bits 8, signed), uint8 of `bits` < 8 (unsigned, one per byte), or
+    offset[k // g, n], g = K / G. Codes: int8 (bits 8, signed), uint8 (bits 4: unsigned, one per byte), or
     float8_e4m3fn."""
 
     codes: np.ndarray  # [..., K, N]
@@ -45,10 +45,6 @@ class HostQuant:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.codes.ndim
 
     def __getitem__(self, i) -> HostQuant:
         return HostQuant(self.codes[i], self.scale[i], None if self.offset is None else self.offset[i], self.bits)
@@ -126,17 +122,12 @@ def quantize(w: np.ndarray, method: str, groups: int = 1) -> HostQuant:
 
 def device_weight(h: HostQuant) -> QuantizedWeight:
     """The device form: 4-bit codes packed two a byte (rows 2i, 2i + 1 in the low, high nibble) where K is even."""
-    codes = h.codes
-    bits = h.bits
-    if bits < 8 and bits != 4:
-        bits = 8  # (other widths travel as int8: values up to 127)
-        codes = codes.astype(np.int8)
-    if bits == 4:
-        if codes.shape[-2] % 2:
-            bits, codes = 8, codes.astype(np.int8)
-        else:
-            pairs = codes.reshape(*codes.shape[:-2], codes.shape[-2] // 2, 2, codes.shape[-1]).astype(np.uint8)
-            codes = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+    codes, bits = h.codes, h.bits
+    if bits == 4 and codes.shape[-2] % 2:
+        bits, codes = 8, codes.astype(np.int8)  # (an odd K: one code a byte)
+    elif bits == 4:
+        pairs = codes.reshape(*codes.shape[:-2], codes.shape[-2] // 2, 2, codes.shape[-1]).astype(np.uint8)
+        codes = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
     def floats(a):  # (float16 kept: GGUF's block scales, exact at half the bytes)
         return jnp.asarray(a, a.dtype if a.dtype == np.float16 else jnp.float32)
 
@@ -150,9 +141,9 @@ def vocab_groups(k: int) -> int:
     return k // 32 if k % 32 == 0 else 1
 
 
-def bf16_head(h: HostQuant) -> jax.Array | None:
-    """A quantized LM head [E, V] dequantized into oneDNN's bf16 layout for the CPU call (the integer GEMM's per
-    row input scale costs the logits too much precision), or None where that call is unavailable."""
+def bf16_layout(h: HostQuant) -> jax.Array | None:
+    """A quantized [K, N] weight dequantized into oneDNN's bf16 layout for the CPU's packed dense call (the CPU
+    default for quantized weights: docs/quantization.md), or None where that call is unavailable."""
     return cpu_layout(h.dequantize(), jnp.bfloat16)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.layers.quant import Int8Panels, QuantizedWeight, dequantize, quantized_dense
 from jaxpaged.models import build_model, load_hf_config, model_config_from_hf
 from jaxpaged.models.gguf_blocks import gguf_host_quant
+from jaxpaged.models.param_tree import param_shapes
 from jaxpaged.models.quantize import device_weight, quantize_fp8, quantize_int8, resolve_quantization, vocab_groups
 from jaxpaged.models.registry import load_weights
 from pallas_kernels import cpu_onednn
@@ -82,7 +84,7 @@ def test_quantized_dense_equals_the_dot_with_dequantized_weights(form):
 
 
 def test_int8_integer_gemm_is_exact():
-    if not cpu_onednn.pack_s8(np.zeros((64, 64), np.int8)) is not None:
+    if cpu_onednn.pack_s8(np.zeros((64, 64), np.int8)) is None:
         pytest.skip("oneDNN's int8 GEMM is not available here (needs AVX512-VNNI or AMX)")
     rng = np.random.default_rng(3)
     q = rng.integers(-127, 128, size=(576, 960)).astype(np.int8)
@@ -149,6 +151,8 @@ def test_engine_greedy_equals_hf_on_the_dequantized_weights(tiny_model_dir, meth
     hf = hf_with_dequantized_weights(path, method)
     llm = LLM(model=path, quantization=method, attention_backend="reference", compile_guard=True,
               max_num_seqs=4, num_kv_blocks=64)
+    held = jax.tree.leaves(llm.engine.core.runner.state, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    assert sum(isinstance(x, QuantizedWeight) for x in held) >= 4 * 2  # (every layer's matmuls, kept quantized)
     rng = np.random.default_rng(6)  # (prompts whose greedy steps keep a top-2 logit margin > 0.02 in both)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (3, 17, 30)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -199,9 +203,8 @@ def test_default_model_gguf_blocks_kept(smollm2_path):
     kept = build_model(dataclasses.replace(cfg, quantization="gguf"), per_layer=True)
     w = kept.params()["layers"][0]["w_gate_up"]
     assert isinstance(w, QuantizedWeight) and w.bits == 4 and w.scale.dtype == jnp.float16
-    nbytes = sum(x.nbytes for x in __import__("jax").tree.leaves(kept.params()))
-    bf16_bytes = 2 * sum(int(np.prod(s)) for s in __import__("jaxpaged.models.llama", fromlist=["x"])
-                         .param_shapes(cfg).values())
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(kept.params()))
+    bf16_bytes = 2 * sum(int(np.prod(s)) for s in param_shapes(cfg).values())
     assert nbytes < 0.4 * bf16_bytes
     plain = build_model(cfg, per_layer=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
