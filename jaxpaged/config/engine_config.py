@@ -17,7 +17,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations
-QUANTIZATIONS = ("int8", "fp8", "gguf")  # matmul weights kept quantized (`models/quantize.py`)
+QUANTIZATIONS = ("int8", "fp8", "gguf", "awq", "gptq")  # matmul weights kept quantized (`models/quantize.py`)
 
 
 @dataclass(frozen=True)

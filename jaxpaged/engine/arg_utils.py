@@ -61,8 +61,9 @@ class EngineArgs:
     dtype: str = _flag("auto", "weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
     quantization: str | None = _flag(
         None, "matmul weights kept quantized in memory: int8 or fp8 (quantized at load, one scale per output "
-              "channel), gguf (a GGUF file's blocks as they are); default: the checkpoint's own (an fp8 "
-              "checkpoint's quantization_config), else none (GGUF files dequantized); docs/quantization.md")
+              "channel), gguf (a GGUF file's blocks as they are), awq or gptq (such a checkpoint's own); default: "
+              "the checkpoint's own (its quantization_config: fp8, awq, gptq), else none (GGUF files "
+              "dequantized); docs/quantization.md")
     kv_cache_dtype: str = _flag("auto", "KV cache dtype; auto: the model's dtype; bfloat16/float16 halve a float32 "
                                         "pool, fp8 quarters it (scaled per layer and KV head, see "
                                         "calculate_kv_scales)", KV_CACHE_DTYPES)

@@ -5,10 +5,11 @@ nnx like them, and count their true bytes where the KV pool is sized):
 
 - `QuantizedWeight`: integer or fp8 codes with a float32 scale, and an offset for affine formats, per group of
   rows: w[k, n] = code[k, n] * scale[k // g, n] + offset[k // g, n], g = K / G. Per-channel int8 and fp8 (G = 1),
-  GGUF's 32-row blocks and AWQ/GPTQ's groups are all this. 4-bit codes are two to a byte, rows 2i and 2i + 1 in
-  the low and high nibble. `quantized_dense` dequantizes inside the jitted dot: where G = 1 the scale multiplies
-  the dot's output instead (one multiply per output, not per weight); XLA on GPUs fuses the convert into the
-  GEMM's operand read.
+  GGUF's 32-row blocks and AWQ/GPTQ's groups are all this; a GPTQ act-order weight (`desc_act`) has its rows
+  stored sorted by group, with `perm` (the rows' places in the weight) gathering the input's features to match.
+  4-bit codes are two to a byte, rows 2i and 2i + 1 in the low and high nibble. `quantized_dense` dequantizes
+  inside the jitted dot: where G = 1 the scale multiplies the dot's output instead (one multiply per output, not
+  per weight); XLA on GPUs fuses the convert into the GEMM's operand read.
 - `Int8Panels` (CPUs with oneDNN's int8 brgemm, AVX512-VNNI / AMX; only with $JAXPAGED_CPU_INT8_GEMM=1):
   per-channel int8 weights reordered once into oneDNN's layout; each call quantizes its input rows to int8 (one
   symmetric scale per row) and runs an integer GEMM. Faster than the bf16 GEMM per call, but the per-row input
@@ -36,6 +37,7 @@ class QuantizedWeight:
     scale: Float[Array, "... G N"]  # float32, or float16 (GGUF's block scales)
     offset: Float[Array, "... G N"] | None = None  # as scale, added after it; None: zero
     bits: int = field(default=8, metadata={"static": True})
+    perm: Int[Array, "... K"] | None = None  # stored row k is the weight's row perm[k]; None: in order
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -85,6 +87,14 @@ def codes_of(w: QuantizedWeight, dtype) -> Array:
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> Array:
     """The [..., K, N] weight in `dtype`, computed in float32 and rounded once."""
+    stored = stored_rows(w, dtype)
+    if w.perm is None:
+        return stored
+    return jnp.take_along_axis(stored, jnp.argsort(w.perm, axis=-1)[..., None], axis=-2)
+
+
+def stored_rows(w: QuantizedWeight, dtype=jnp.float32) -> Array:
+    """The [..., K, N] weight's rows in their stored order (`perm`'s), in `dtype`."""
     c = codes_of(w, jnp.float32)
     *lead, k, n = c.shape
     groups = w.scale.shape[-2]
@@ -97,6 +107,8 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> Array:
 def quantized_dense(x: Float[Array, "T K"], w: QuantizedWeight, out_dtype=None) -> Float[Array, "T N"]:
     """x @ w in out_dtype (None: x's), accumulated in float32."""
     out_dtype = out_dtype or x.dtype
+    if w.perm is not None:  # (x's features in the stored rows' order)
+        x = jnp.take(x, w.perm, axis=-1)
     def dot(a, b):
         return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -105,7 +117,7 @@ def quantized_dense(x: Float[Array, "T K"], w: QuantizedWeight, out_dtype=None) 
         if w.offset is not None:
             y = y + jnp.sum(x.astype(jnp.float32), axis=-1, keepdims=True) * w.offset[0].astype(jnp.float32)
         return y.astype(out_dtype)
-    return dot(x, dequantize(w, x.dtype)).astype(out_dtype)
+    return dot(x, stored_rows(w, x.dtype)).astype(out_dtype)
 
 
 def quantize_rows(x: Float[Array, "T K"]) -> tuple[Int[Array, "T K"], Float[Array, "T 1"]]:
@@ -130,5 +142,6 @@ def embedding_rows(table, ids: Int[Array, "T"], dtype) -> Float[Array, "T E"]:
     if not isinstance(table, QuantizedWeight):
         return table[ids]
     taken = QuantizedWeight(jnp.take(table.codes, ids, axis=-1), jnp.take(table.scale, ids, axis=-1),
-                            None if table.offset is None else jnp.take(table.offset, ids, axis=-1), table.bits)
+                            None if table.offset is None else jnp.take(table.offset, ids, axis=-1), table.bits,
+                            table.perm)
     return dequantize(taken, dtype).T

@@ -8,6 +8,8 @@ The methods (`QUANTIZATIONS`):
   checkpoint's own codes and scales (per tensor or per channel), detected from its `quantization_config`.
 - "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks kept as they are (`models/gguf_blocks.py`; other block
   types requantized to int8 in blocks of 32 rows).
+- "awq", "gptq": an AWQ (4-bit) or GPTQ (4- or 8-bit, act order included) checkpoint's packed codes, zero points
+  and group scales kept (`models/awq_gptq.py`), detected from its `quantization_config`.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ class HostQuant:
     scale: np.ndarray  # [..., G, N] float32, or float16 (a GGUF block's own)
     offset: np.ndarray | None = None  # [..., G, N] as scale; None: zero
     bits: int = 8
+    perm: np.ndarray | None = None  # [..., K] int32: stored row k is the weight's row perm[k] (GPTQ act order)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape
 
     def __getitem__(self, i) -> HostQuant:
-        return HostQuant(self.codes[i], self.scale[i], None if self.offset is None else self.offset[i], self.bits)
+        return HostQuant(self.codes[i], self.scale[i], None if self.offset is None else self.offset[i], self.bits,
+                         None if self.perm is None else self.perm[i])
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight (the reference formula)."""
@@ -56,22 +60,35 @@ class HostQuant:
         w = self.codes.astype(np.float32).reshape(*lead, g, k // g, n) * self.scale[..., None, :].astype(np.float32)
         if self.offset is not None:
             w = w + self.offset[..., None, :].astype(np.float32)
-        return w.reshape(*lead, k, n)
+        w = w.reshape(*lead, k, n)
+        if self.perm is None:
+            return w
+        return np.take_along_axis(w, np.argsort(self.perm, axis=-1)[..., None], axis=-2)
 
 
 def stack(parts: list[HostQuant]) -> HostQuant:
     """Per-layer weights stacked on a new leading axis."""
+    perms = None
+    if any(p.perm is not None for p in parts):
+        perms = np.stack([np.arange(p.shape[-2], dtype=np.int32) if p.perm is None else p.perm for p in parts])
     return HostQuant(np.stack([p.codes for p in parts]), np.stack([p.scale for p in parts]),
-                     _offsets(parts, np.stack), _bits(parts))
+                     _offsets(parts, np.stack), _bits(parts), perms)
 
 
 def concat(parts: list[HostQuant]) -> HostQuant:
-    """Weights side by side on the output axis (q | k | v), regrouped to the coarsest group size they share."""
+    """Weights side by side on the output axis (q | k | v), regrouped to the coarsest group size they share; parts
+    whose rows are stored in different orders (GPTQ act order, `perm`) all requantized to int8 in order."""
     groups = min(p.scale.shape[-2] for p in parts)
+    orders = {None if p.perm is None else p.perm.tobytes() for p in parts}
+    if len(orders) > 1:
+        logger.info("fused weights with different GPTQ act orders: requantized to int8 in %d groups", groups)
+        parts = [_regroup(p, groups) for p in parts]
     parts = [p if p.scale.shape[-2] == groups else _regroup(p, groups) for p in parts]
+    if len({(p.bits, p.codes.dtype) for p in parts}) > 1:  # (a part regrouped to int8 beside 4-bit or fp8 ones)
+        parts = [p if p.codes.dtype == np.int8 and p.bits == 8 else _regroup(p, groups) for p in parts]
     cat = lambda xs: np.concatenate(xs, axis=-1)  # noqa: E731
     return HostQuant(cat([p.codes for p in parts]), cat([p.scale for p in parts]), _offsets(parts, cat),
-                     _bits(parts))
+                     _bits(parts), parts[0].perm)
 
 
 def _bits(parts: list[HostQuant]) -> int:
@@ -84,7 +101,8 @@ def _bits(parts: list[HostQuant]) -> int:
 def _offsets(parts: list[HostQuant], join) -> np.ndarray | None:
     if all(p.offset is None for p in parts):
         return None
-    return join([np.zeros_like(p.scale) if p.offset is None else p.offset.astype(p.scale.dtype) for p in parts])
+    dtype = np.result_type(*(p.offset for p in parts if p.offset is not None))
+    return join([np.zeros(p.scale.shape, dtype) if p.offset is None else p.offset.astype(dtype) for p in parts])
 
 
 def _regroup(p: HostQuant, groups: int) -> HostQuant:
@@ -132,7 +150,8 @@ def device_weight(h: HostQuant) -> QuantizedWeight:
         return jnp.asarray(a, a.dtype if a.dtype == np.float16 else jnp.float32)
 
     offset = None if h.offset is None else floats(h.offset)
-    return QuantizedWeight(jnp.asarray(codes), floats(h.scale), offset, bits)
+    perm = None if h.perm is None else jnp.asarray(h.perm, jnp.int32)
+    return QuantizedWeight(jnp.asarray(codes), floats(h.scale), offset, bits, perm)
 
 
 def vocab_groups(k: int) -> int:
@@ -150,26 +169,56 @@ def bf16_layout(h: HostQuant) -> jax.Array | None:
 def panels(h: HostQuant | np.ndarray) -> Int8Panels | None:
     """A [K, N] weight (quantized, or float) as per-channel int8 oneDNN panels, or None where oneDNN's int8 call
     is unavailable. Per-channel int8 codes are kept exactly; other forms are dequantized and requantized."""
-    if isinstance(h, HostQuant) and h.codes.dtype == np.int8 and h.scale.shape[-2] == 1 and h.offset is None:
+    if (isinstance(h, HostQuant) and h.codes.dtype == np.int8 and h.scale.shape[-2] == 1 and h.offset is None
+            and h.perm is None):
         q = h
     else:
         q = quantize_int8(h.dequantize() if isinstance(h, HostQuant) else h)
     return int8_panels(q.codes, q.scale[0])
 
 
+def _settings(qc) -> dict:
+    if isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+
+
 def checkpoint_quantization(hf_config) -> str | None:
-    """The method a checkpoint's `quantization_config` names, as ours ("fp8"), or None; ValueError for one not
-    served."""
+    """The method a checkpoint's `quantization_config` names, as ours ("fp8", "awq", "gptq"), or None;
+    ValueError, naming the setting, for one not served."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
-    method = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) or "?"
+    qc = _settings(qc)
+    method = qc.get("quant_method") or "?"
     method = str(getattr(method, "value", method)).lower()
     if method == "fp8":
         return "fp8"
-    raise ValueError(f"the checkpoint's quantization_config.quant_method {method!r} is not supported (served: fp8 "
-                     "checkpoints, GGUF files with --quantization gguf, and float ones quantized at load with "
-                     "--quantization int8 or fp8; docs/quantization.md)")
+    if method == "awq":
+        bits, version = qc.get("bits", qc.get("w_bit", 4)), str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or qc.get("zero_point", True) is not True:
+            raise ValueError(f"quantization_config: AWQ checkpoints with bits 4, version 'gemm' and zero_point are "
+                             f"served; this one has bits {bits}, version {version!r}, zero_point "
+                             f"{qc.get('zero_point', True)}")
+        return "awq"
+    if method == "gptq":
+        bits, fmt = qc.get("bits", 4), str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+        if bits not in (4, 8) or fmt not in GPTQ_FORMATS:
+            raise ValueError(f"quantization_config: GPTQ checkpoints with bits 4 or 8 in checkpoint_format "
+                             f"{' or '.join(GPTQ_FORMATS)} are served; this one has bits {bits}, {fmt!r}")
+        return "gptq"
+    raise ValueError(f"the checkpoint's quantization_config.quant_method {method!r} is not supported (served: fp8, "
+                     "AWQ and GPTQ checkpoints, GGUF files with --quantization gguf, and float ones quantized at "
+                     "load with --quantization int8 or fp8; docs/quantization.md)")
+
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # the original (zero points stored minus one) and GPTQModel's v2
+
+
+def gptq_zeros_minus_one(hf_config) -> bool:
+    """Whether a GPTQ checkpoint stores its zero points minus one (the original format)."""
+    qc = _settings(hf_config.quantization_config)
+    return str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower() == "gptq"
 
 
 def resolve_quantization(requested: str | None, hf_config, gguf_file: bool) -> str | None:
@@ -182,7 +231,13 @@ def resolve_quantization(requested: str | None, hf_config, gguf_file: bool) -> s
     found = None if gguf_file else checkpoint_quantization(hf_config)
     if found is not None and requested not in (None, found):
         raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized as {found!r}")
+    if requested in CHECKPOINT_ONLY and found != requested:
+        raise ValueError(f"quantization={requested!r} loads a checkpoint quantized so (its quantization_config); "
+                         "this one is not")
     return requested or found
+
+
+CHECKPOINT_ONLY = ("awq", "gptq")  # methods only a checkpoint's own weights give
 
 
 def weight_bytes(params) -> int:

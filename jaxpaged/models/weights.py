@@ -1,4 +1,4 @@
-"""Read checkpoints into our parameter tree: HF safetensors folders and GGUF files.
+"""Read checkpoints into our parameter tree: HF safetensors folders (float, fp8, AWQ and GPTQ ones) and GGUF files.
 
 Both produce {our name: numpy array}, matmul weights as [in, out] and layers stacked on axis 0.
 """
@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.quantize import HostQuant
+from jaxpaged.models.awq_gptq import PACKED_TENSORS, awq_host_quant, gptq_host_quant
+from jaxpaged.models.quantize import HostQuant, gptq_zeros_minus_one
 from jaxpaged.models.quantize import stack as stack_quant
 
 # HF per-layer tensor name -> (our name, transpose?)
@@ -119,11 +122,24 @@ def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndar
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     handles = [safe_open(f, framework="flax") for f in files]  # flax: bfloat16 tensors load too
+    where = {name: h for h in handles for name in h.keys()}
+    packed = {name[:-len(".qweight")] for name in where if name.endswith(".qweight")}  # AWQ / GPTQ Linears
+    if packed and cfg.quantization not in ("awq", "gptq"):
+        raise ValueError(f"{folder} holds packed .qweight tensors (AWQ / GPTQ) but its config.json names no such "
+                         f"quantization_config (quantization={cfg.quantization!r})")
+    if cfg.quantization in ("awq", "gptq") and not packed:
+        raise ValueError(f"quantization {cfg.quantization!r}: {folder} holds no .qweight tensors")
 
     def items():
         for file, h in zip(files, handles):
             names = set(h.keys())
             for name in names:
+                stem, _, kind = name.rpartition(".")
+                if stem in packed:
+                    if kind == "qweight":
+                        yield from _split_fused(cfg, stem + ".weight", _packed_loader(folder, cfg, where, stem))
+                    if kind in PACKED_TENSORS:
+                        continue
                 if name.endswith(_FP8_SIDE):
                     if name.endswith("weight_scale_inv"):
                         raise ValueError(f"{name}: block-wise fp8 scales are not supported (per-tensor and "
@@ -138,14 +154,31 @@ def load_safetensors_weights(folder: str, cfg: ModelConfig) -> dict[str, np.ndar
     return _stack_layers(cfg, items(), layer_map, _HF_GLOBAL, "model.layers.")
 
 
+def _packed_loader(folder: str, cfg: ModelConfig, where: dict, stem: str) -> Callable[[], HostQuant]:
+    """An AWQ / GPTQ Linear's packed tensors (`models/awq_gptq.py`) as `HostQuant` [in, out]."""
+    def load():
+        def get(kind):
+            name = f"{stem}.{kind}"
+            return np.asarray(where[name].get_tensor(name)) if name in where else None
+
+        qweight, qzeros, scales = get("qweight"), get("qzeros"), get("scales")
+        if qzeros is None or scales is None:
+            raise ValueError(f"{stem}: a packed qweight needs its qzeros and scales")
+        if cfg.quantization == "awq":
+            return awq_host_quant(stem, qweight, qzeros, scales)
+        with open(os.path.join(folder, "config.json")) as f:
+            qc = json.load(f)["quantization_config"]
+        zeros_minus_one = gptq_zeros_minus_one(SimpleNamespace(quantization_config=qc))
+        return gptq_host_quant(stem, qweight, qzeros, scales, get("g_idx"), int(qc.get("bits", 4)), zeros_minus_one)
+    return load
+
+
 _FP8_SIDE = (".weight_scale", ".input_scale", ".weight_scale_inv")  # (an fp8 checkpoint's tensors beside weights)
 
 
 def _raw_tensor(file: str, name: str) -> np.ndarray:
     """A tensor read from a safetensors file's own layout (an 8-byte header size, a JSON header, the bytes):
     safetensors' numpy and flax readers have no float8 dtype."""
-    import json
-
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         entry = json.loads(f.read(size))[name]

@@ -186,9 +186,9 @@ def test_quantization_flag_errors():
         resolve_quantization("int3", None, False)
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_quantization("gguf", None, False)
-    awq = SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
-        resolve_quantization(None, awq, False)
+    bnb = SimpleNamespace(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        resolve_quantization(None, bnb, False)
     fp8 = SimpleNamespace(quantization_config={"quant_method": "fp8"})
     assert resolve_quantization(None, fp8, False) == "fp8"
     with pytest.raises(ValueError, match="quantized as 'fp8'"):
