@@ -76,7 +76,8 @@ def load(model: str | None = None, *, dtype: str | None = None, load_format: str
     the C++ attention kernel (plain JAX without a compiler) and the plain-JAX sampler. params is a dict of
     jax arrays; its "layers" a list of one dict per layer (per_layer, the default on CPU, where it runs
     faster) or one dict of arrays stacked on a leading [L] axis (run under `lax.scan`; the default on GPU).
-    quantization: "int8", "fp8" or "gguf" (the engine's flag, docs/quantization.md): matmul weights are then
+    quantization: "int8", "fp8", "gguf", "awq" or "gptq" (the engine's flag, docs/quantization.md; a checkpoint's
+    own quantization_config is read without it): matmul weights are then
     `layers.quant.QuantizedWeight` pytrees in the tree (the plain-JAX dots; the CPU engine's oneDNN forms are
     the engine's).
     """

@@ -31,11 +31,12 @@ STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}}
 
 def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, label: str = "jaxpaged",
                  temperature: float = 1.0, structured_fraction: float = 0.0, profile_dir: str | None = None,
-                 lora_requests: list | None = None) -> dict:
+                 lora_requests: list | None = None, after=None) -> dict:
     """Generate the workload with `LLM.generate` (EOS ignored, n samples each); the first `structured_fraction`
     of every ten requests constrained to STRUCTURED_SCHEMA. profile_dir: a JAX profiler trace of the timed run
     written there (device kernels and host threads, for TensorBoard's profile plugin or xprof). lora_requests: each
-    request's LoRA adapter (None: the base model)."""
+    request's LoRA adapter (None: the base model). after(llm, token_ids): more fields for the result, computed
+    after the timed run with its engine (`bench/quantization.py`'s teacher-forced agreement)."""
     import contextlib
 
     import jax
@@ -78,6 +79,8 @@ def run_jaxpaged(reqs: list[BenchRequest], engine_args: EngineArgs, n: int = 1, 
                       mask_share_of_wall=so.mask_seconds / wall)
     result["token_ids"] = [o.outputs[0].token_ids for o in outs]
     result["weight_bytes"] = getattr(eng, "param_bytes", 0)
+    if after is not None:
+        result.update(after(llm, result["token_ids"]))
     if n > 1:  # every sample's tokens count as output
         result["output_tokens"] *= n
         result["output_tokens_per_s"] *= n
@@ -188,8 +191,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="with --compare-lora: the adapters' rank")
     p.add_argument("--compare-quantization", default=None, metavar="LIST",
                    help="run jaxpaged as given, then once per comma-separated entry (a --quantization method: int8, "
-                        "fp8, gguf; or a dtype: bfloat16), and compare throughput, weight memory and greedy "
-                        "agreement with the first")
+                        "fp8, gguf; a dtype: bfloat16; or model:PATH, an AWQ / GPTQ / fp8 checkpoint of the same "
+                        "model), and compare throughput, weight memory and greedy agreement (by position, prefix "
+                        "and teacher-forced) with the first")
     p.add_argument("--workload", choices=["random", "copy"], default="random",
                    help="random: random-token prompts (--input-len, --output-len); copy: chat prompts asking to "
                         "repeat a paragraph word for word (output: its length, capped by the upper --output-len)")

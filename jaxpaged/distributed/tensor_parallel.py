@@ -74,12 +74,15 @@ def replicate_kv_heads(cfg: ModelConfig, weights: dict, tp: int) -> tuple[ModelC
     if kh >= tp:
         return cfg, weights
     r = tp // kh
+
+    def repeat(w):  # [L, E, KH * D] or [L, KH * D] (or a quantized weight's scales: [L, G, KH * D])
+        w = np.asarray(w).reshape(*w.shape[:-1], kh, d)
+        return np.repeat(w, r, axis=-2).reshape(*w.shape[:-2], tp * d)
+
     out = dict(weights)
     for name in ("layers.wk", "layers.wv", "layers.bk", "layers.bv"):
-        if name in out:
-            w = np.asarray(out[name])  # [L, E, KH * D] or [L, KH * D]
-            w = w.reshape(*w.shape[:-1], kh, d)
-            out[name] = np.repeat(w, r, axis=-2).reshape(*w.shape[:-2], tp * d)
+        if name in out:  # (quantized weights, `models.quantize.HostQuant`, repeat their codes and scales alike)
+            out[name] = out[name].map_columns(repeat) if hasattr(out[name], "map_columns") else repeat(out[name])
     return dataclasses.replace(cfg, num_kv_heads=tp), out
 
 

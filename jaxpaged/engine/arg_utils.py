@@ -176,8 +176,6 @@ class EngineArgs:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
-        if self.quantization is not None and self.tensor_parallel_size * self.data_parallel_size > 1:
-            raise ValueError("quantization: not supported with tensor_parallel_size or data_parallel_size > 1 yet")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
         for name in ("kv_offload_host_gb", "kv_offload_disk_gb"):

@@ -38,6 +38,9 @@ def convert(source: str, out: str, *, dtype: str = "float32", load_format: str =
         raise FileExistsError(f"convert: {out!r} exists and is not empty")
     start = time.perf_counter()
     cfg = model_config_from_hf(source, load_hf_config(source), dtype)
+    if cfg.quantization is not None:  # (a converted folder holds float arrays only)
+        raise ValueError(f"convert: {source!r} is quantized ({cfg.quantization}); serve it as it is (its "
+                         "quantized weights are read without a conversion)")
     weights = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in load_weights(cfg, load_format).items()}
     tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import place
@@ -68,10 +70,16 @@ FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("
 def _fuse(parts: list[np.ndarray], shards: int) -> np.ndarray:
     """Concatenate `parts` on their last axis in `shards` groups: [p0 part 0 | p1 part 0 | ... | p0 part 1 | ...],
     so a column-parallel split into `shards` gives each device whole pieces of every part. Quantized parts
-    (`HostQuant`): side by side, one group."""
+    (`HostQuant`) alike, their codes and scales together."""
     if any(isinstance(p, HostQuant) for p in parts):  # (a float part beside quantized ones: int8, in their groups)
         groups = min(p.scale.shape[-2] for p in parts if isinstance(p, HostQuant))
-        return quant_concat([p if isinstance(p, HostQuant) else quantize_int8(p, groups) for p in parts])
+        parts = [p if isinstance(p, HostQuant) else quantize_int8(p, groups) for p in parts]
+
+        def piece(p: HostQuant, s: int) -> HostQuant:
+            n = p.shape[-1] // shards
+            return p.map_columns(lambda a: a[..., s * n:(s + 1) * n])
+
+        return quant_concat([piece(p, s) for s in range(shards) for p in parts])
     grouped = [np.asarray(p).reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
     fused = np.concatenate(grouped, axis=-1)
     return fused.reshape(*fused.shape[:-2], -1)
@@ -146,15 +154,30 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
             raise ValueError(f"weight {name} has shape {got}, expected {shape}")
     dtype = jnp.dtype(cfg.dtype)
     method = cfg.quantization
-    if method is not None and mesh is not None:
-        raise ValueError("quantized weights with tensor parallelism are not supported yet (quantization="
-                         f"{method!r}, {mesh_size(mesh)} devices)")
 
     def put(name: str, x, stacked: bool = False):
+        if isinstance(x, HostQuant):
+            return put_quantized(name, x, stacked)
         if mesh is None:
             return jnp.asarray(x, dtype)
         x = np.asarray(x)
         return place(x if x.dtype == dtype else x.astype(dtype), param_sharding(mesh, name, x.shape, stacked))
+
+    def put_quantized(name: str, h: HostQuant, stacked: bool):
+        """Codes, scales and offsets placed as the weight would be (an axis that does not divide replicated);
+        the row order (`perm`) replicated. A quantized table is the LM head's [E, V]."""
+        if mesh is None:
+            return device_weight(h)
+        spec = param_sharding(mesh, "lm_head" if name == "embed" else name, h.shape, stacked).spec
+        tp = mesh_size(mesh)
+
+        def to_device(a: np.ndarray):
+            if a.ndim != len(h.shape):
+                return place(a, NamedSharding(mesh, P()))
+            axes = tuple(spec) + (None,) * (a.ndim - len(spec))
+            axes = [ax if ax is None or a.shape[i] % tp == 0 else None for i, ax in enumerate(axes)]
+            return place(a, NamedSharding(mesh, P(*axes)))
+        return device_weight(h, to_device)
 
     layers = {name[len("layers."):]: weights[name] for name in expected if name.startswith("layers.")}
     for fused, parts in FUSED.items():
@@ -179,7 +202,7 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
         if isinstance(x, HostQuant) and packed and name in PACKED_WEIGHTS and (b := bf16_layout(x)) is not None:
             return b
         if isinstance(x, HostQuant):
-            return device_weight(x)
+            return put_quantized(name, x, False)
         laid_out = None
         if packed and name in PACKED_WEIGHTS and (name != "lm_head" or dtype == jnp.float32):
             laid_out = cpu_layout(x, dtype)
@@ -198,7 +221,6 @@ def model_params(cfg: ModelConfig, weights: dict[str, np.ndarray], *, per_layer:
     if per_layer:
         params["layers"] = [{k: put_layer(k, v[i]) for k, v in layers.items()} for i in range(cfg.num_layers)]
     else:
-        params["layers"] = {k: device_weight(v) if isinstance(v, HostQuant) else put(k, v, stacked=True)
-                            for k, v in layers.items()}
+        params["layers"] = {k: put(k, v, stacked=True) for k, v in layers.items()}
     return params
 

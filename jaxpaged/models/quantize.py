@@ -53,6 +53,12 @@ class HostQuant:
         return HostQuant(self.codes[i], self.scale[i], None if self.offset is None else self.offset[i], self.bits,
                          None if self.perm is None else self.perm[i])
 
+    def map_columns(self, fn) -> HostQuant:
+        """`fn` applied to every per-column array (codes, scale, offset) along their last axis: the output
+        columns sliced, repeated or reordered alike (tensor parallelism's groups, replicated KV heads)."""
+        return HostQuant(fn(self.codes), fn(self.scale), None if self.offset is None else fn(self.offset),
+                         self.bits, self.perm)
+
     def dequantize(self) -> np.ndarray:
         """The float32 weight (the reference formula)."""
         *lead, k, n = self.codes.shape
@@ -138,20 +144,21 @@ def quantize(w: np.ndarray, method: str, groups: int = 1) -> HostQuant:
     raise ValueError(f"quantization {method!r} does not quantize float weights at load (int8 or fp8 do)")
 
 
-def device_weight(h: HostQuant) -> QuantizedWeight:
-    """The device form: 4-bit codes packed two a byte (rows 2i, 2i + 1 in the low, high nibble) where K is even."""
+def device_weight(h: HostQuant, to_device=jnp.asarray) -> QuantizedWeight:
+    """The device form: 4-bit codes packed two a byte (rows 2i, 2i + 1 in the low, high nibble) where K is even.
+    to_device: numpy array -> device array (a mesh's placement; default: the default device)."""
     codes, bits = h.codes, h.bits
     if bits == 4 and codes.shape[-2] % 2:
         bits, codes = 8, codes.astype(np.int8)  # (an odd K: one code a byte)
     elif bits == 4:
         pairs = codes.reshape(*codes.shape[:-2], codes.shape[-2] // 2, 2, codes.shape[-1]).astype(np.uint8)
         codes = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
-    def floats(a):  # (float16 kept: GGUF's block scales, exact at half the bytes)
-        return jnp.asarray(a, a.dtype if a.dtype == np.float16 else jnp.float32)
+    def floats(a):  # (float16 kept: GGUF's and AWQ / GPTQ's scales, exact at half the bytes)
+        return to_device(np.asarray(a, a.dtype if a.dtype == np.float16 else np.float32))
 
     offset = None if h.offset is None else floats(h.offset)
-    perm = None if h.perm is None else jnp.asarray(h.perm, jnp.int32)
-    return QuantizedWeight(jnp.asarray(codes), floats(h.scale), offset, bits, perm)
+    perm = None if h.perm is None else to_device(np.asarray(h.perm, np.int32))
+    return QuantizedWeight(to_device(np.asarray(codes)), floats(h.scale), offset, bits, perm)
 
 
 def vocab_groups(k: int) -> int:

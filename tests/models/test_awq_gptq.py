@@ -119,3 +119,12 @@ def test_awq_gptq_config_errors(tiny_model_dir):
     cfg = model_config_from_hf(src, load_hf_config(src), "float32")
     with pytest.raises(ValueError, match="holds no .qweight tensors"):
         load_weights(dataclasses.replace(cfg, quantization="gptq"))
+
+
+def test_convert_refuses_a_quantized_checkpoint(tiny_model_dir, tmp_path):
+    from jaxpaged.models.convert import convert
+
+    dst = str(tmp_path / "awq")
+    write_quantized_checkpoint(tiny_model_dir("llama"), dst, "awq")
+    with pytest.raises(ValueError, match=r"is quantized \(awq\); serve it as it is"):
+        convert(dst, str(tmp_path / "out"))
